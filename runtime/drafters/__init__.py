@@ -1,0 +1,60 @@
+"""Drafters and :func:`load_drafter`, the one way to build one from a name or a checkpoint.
+
+Types are registered by the modules imported below (``register_drafter``); the string is
+the one stored in a checkpoint's ``config.json`` (``speculator_type``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .base import DRAFTER_REGISTRY, DraftContext, Drafter, register_drafter
+from . import ngram as _ngram  # noqa: F401  (registers "ngram")
+from . import draft as _draft  # noqa: F401  (registers "draft")
+
+try:  # heads land in their own modules; import registers them
+    from . import eagle as _eagle  # noqa: F401
+    from . import medusa as _medusa  # noqa: F401
+except ImportError as exc:  # pragma: no cover - only while a module is missing
+    if "eagle" not in str(exc) and "medusa" not in str(exc):
+        raise
+
+
+def available_drafters() -> list[str]:
+    return sorted(DRAFTER_REGISTRY)
+
+
+def load_drafter(source, target, **options) -> Drafter:
+    """Build a drafter for ``target``.
+
+    ``source`` is a registered type (``"ngram"``; ``"eagle3"``/``"eagle"``/``"medusa"`` give a
+    random-init head), a speculator checkpoint directory (its ``config.json`` names the type),
+    or a local HF model directory / built-in target name used as a ``draft`` model.
+    """
+    if isinstance(source, str) and source in DRAFTER_REGISTRY:
+        return DRAFTER_REGISTRY[source](None, target, **options)
+    path = Path(str(source)).expanduser()
+    cfg_file = path / "config.json"
+    if path.is_dir() and cfg_file.exists():
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{cfg_file}: not valid JSON ({exc})") from None
+        kind = cfg.get("speculator_type") if isinstance(cfg, dict) else None
+        if kind is not None:
+            if kind not in DRAFTER_REGISTRY:
+                raise ValueError(f"{cfg_file}: unknown speculator_type {kind!r}; known: {available_drafters()}")
+            return DRAFTER_REGISTRY[kind](path, target, **options)
+        return DRAFTER_REGISTRY["draft"](path, target, **options)
+    from ..models import builtin_targets
+
+    if str(source) in builtin_targets():
+        return DRAFTER_REGISTRY["draft"](str(source), target, **options)
+    raise ValueError(
+        f"unknown drafter {source!r}: expected one of {available_drafters()}, a speculator checkpoint "
+        "directory, or a local HF draft-model directory"
+    )
+
+
+__all__ = ["DRAFTER_REGISTRY", "DraftContext", "Drafter", "available_drafters", "load_drafter", "register_drafter"]

