@@ -58,7 +58,7 @@ def find_violations(root: Path) -> list[str]:
             rel = py.parent.relative_to(root / folder).parts
             for module, level in _imports(py):
                 if level:
-                    base = [MAPPED[folder], *rel]
+                    base = [*MAPPED[folder].split("."), *rel]
                     base = base[: len(base) - (level - 1)]
                     target = ".".join([*base, module] if module else base)
                 else:
