@@ -139,11 +139,15 @@ class SpeculativeGenerator:
         t_start = time.perf_counter()
         ids = torch.tensor([prompt], dtype=torch.long, device=dev)
         cache = target.new_cache()
-        out = target.forward(ids[:, :-1], cache, feature_layers=feature_layers,
-                             logits_for=torch.zeros(0, dtype=torch.long))
-        cache.commit()
+        if ids.shape[1] > 1:
+            prefill = target.forward(ids[:, :-1], cache, feature_layers=feature_layers,
+                                     logits_for=torch.zeros(0, dtype=torch.long))
+            cache.commit()
+            features = prefill.features
+        else:  # a one-token prompt: nothing to prefill, the token is the first root
+            features = torch.zeros(1, 0, len(feature_layers), target.hidden_size, dtype=target.dtype, device=dev)
         if drafter is not None:
-            drafter.begin(ids, out.features)
+            drafter.begin(ids, features if feature_layers else None)
         stats.prefill_seconds = time.perf_counter() - t_start
         emitted, text_so_far = [], ""
         while len(emitted) < max_new_tokens:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import SamplingParams, probs_from_logits, sample
-from .tree import Draft, path_to, tree_depths
+from .tree import Draft, tree_depths
 
 __all__ = [
     "VerifyResult",
@@ -89,6 +89,19 @@ def _children_table(parents: torch.Tensor) -> torch.Tensor:
     return flat.scatter(1, idx, src).view(B, N, R)
 
 
+def _path(parents: torch.Tensor, depths: torch.Tensor, node: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Same as :func:`tree.path_to` but reusing ``depths`` and without boolean indexing."""
+    B = parents.shape[0]
+    anc = [node]  # anc[s] = s-th ancestor of node (stuck at the root once reached)
+    for _ in range(max_depth):
+        anc.append(parents.gather(1, anc[-1].view(B, 1)).squeeze(1).clamp(min=0))
+    anc = torch.stack(anc, 1)  # [B, max_depth + 1]
+    d = depths.gather(1, node.view(B, 1))  # [B, 1]
+    col = torch.arange(max_depth + 1, device=parents.device).view(1, -1)
+    out = anc.gather(1, (d - col).clamp(min=0))  # column j holds the ancestor at depth j
+    return torch.where(col <= d, out, torch.full_like(out, -1))
+
+
 def _check(draft: Draft, scores: torch.Tensor) -> None:
     if scores.dim() != 3 or scores.shape[:2] != draft.tokens.shape:
         raise ValueError(f"target scores {tuple(scores.shape)} must be [B, N, V] with [B, N] = {tuple(draft.tokens.shape)}")
@@ -123,15 +136,16 @@ def verify_greedy_tree(draft: Draft, target_logits: torch.Tensor) -> VerifyResul
     match = draft.tokens == am.gather(1, par)
     match[:, 0] = True
     depths = tree_depths(parents)
+    D = int(depths.max())
     accepted = match
-    for _ in range(int(depths.max()) if N > 1 else 0):  # propagate acceptance one level per step
+    for _ in range(D):  # propagate acceptance one level per step
         accepted = match & accepted.gather(1, par)
     # deepest accepted node, lowest index among equals: depth dominates, then reversed index
     key = torch.where(accepted, depths * N + (N - 1 - torch.arange(N, device=am.device)), torch.full_like(depths, -1))
     last = key.argmax(1)
     accept_len = depths.gather(1, last.view(B, 1)).squeeze(1)
     next_token = am.gather(1, last.view(B, 1)).squeeze(1)
-    return VerifyResult(accept_len, path_to(parents, last), next_token)
+    return VerifyResult(accept_len, _path(parents, depths, last, D), next_token)
 
 
 # --------------------------------------------------------------------------- sampling
@@ -184,7 +198,13 @@ def verify_sampling_tree(draft: Draft, target_probs: torch.Tensor,
     V, dtype, dev = target_probs.shape[-1], target_probs.dtype, target_probs.device
     children = _children_table(draft.parents)
     R = children.shape[-1]
-    D = int(tree_depths(draft.parents).max()) if N > 1 else 0
+    depths = tree_depths(draft.parents)
+    D = int(depths.max())
+    tokens = draft.tokens
+    q_all = None if draft.q is None else draft.q.to(dtype)
+    # q_c(x_c) for every node; deterministic proposals put all mass on x_c
+    qx_all = (torch.ones(B, N, dtype=dtype, device=dev) if q_all is None
+              else q_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
     u = torch.zeros(B, dtype=torch.long, device=dev)
     p = target_probs[:, 0]
     active = torch.ones(B, dtype=torch.bool, device=dev)  # rows still descending
@@ -194,24 +214,27 @@ def verify_sampling_tree(draft: Draft, target_probs: torch.Tensor,
         for r in range(R):
             c = kids[:, r]
             trying = active & ~moved & (c >= 0)
-            c0 = c.clamp(min=0)
-            x = draft.tokens.gather(1, c0.view(B, 1)).squeeze(1)
-            q = _proposal(draft, c0, x, V, dtype)
-            px = p.gather(1, x.view(B, 1)).squeeze(1)
-            qx = q.gather(1, x.view(B, 1)).squeeze(1)
+            c0 = c.clamp(min=0).view(B, 1)
+            x = tokens.gather(1, c0)
+            px = p.gather(1, x).squeeze(1)
+            qx = qx_all.gather(1, c0).squeeze(1)
             # one uniform per row per (level, rank), drawn even for idle rows: the stream a row
             # sees must not depend on what other rows did
             acc = trying & (torch.rand(B, generator=generator, device=dev, dtype=dtype) * qx < px)
             rej = trying & ~acc
+            if q_all is None:
+                # residual of a one-hot proposal: p with x removed, renormalised
+                q = torch.zeros_like(p).scatter_(1, x, 1.0)
+            else:
+                q = _gather_nodes(q_all, c0.squeeze(1))
             p = torch.where(rej.view(B, 1), _residual(p, q), p)
-            u = torch.where(acc, c0, u)
+            u = torch.where(acc, c0.squeeze(1), u)
             moved |= acc
         active &= moved
         p = torch.where(moved.view(B, 1), _gather_nodes(target_probs, u), p)
     next_token = sample(p, generator)
-    depths = tree_depths(draft.parents)
     accept_len = depths.gather(1, u.view(B, 1)).squeeze(1)
-    return VerifyResult(accept_len, path_to(draft.parents, u), next_token)
+    return VerifyResult(accept_len, _path(draft.parents, depths, u, D), next_token)
 
 
 # --------------------------------------------------------------------------- dispatch

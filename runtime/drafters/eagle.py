@@ -1,0 +1,297 @@
+"""EAGLE drafters (``"eagle"``: EAGLE-1 head, ``"eagle3"``: EAGLE-3 head): draft trees from a head.
+
+Scope: the head's KV bookkeeping and the tree search (EAGLE-2 dynamic trees, or chains) for one
+sequence (batch size 1). The head modules are in ``runtime/speculators/eagle.py``.
+
+KV cache. The head keeps its own :class:`~specfoundry.runtime.target.KVCache` over committed
+pairs ``(feature of token t, token t+1)``. Committed pairs are queued by ``begin``/``commit`` and
+run at the next ``propose`` (so nothing is computed for a sequence that ends). The tree search
+then appends draft entries (positions by depth, an ancestor mask) and crops the cache back to
+the committed length before returning.
+
+Greedy mode (EAGLE-2): the root gets ``top_k`` children; at each further depth the ``top_k``
+newest nodes with the best cumulative log-probability are expanded (one head forward for all of
+them), each with ``top_k`` children; finally the best ``max_nodes - 1`` nodes by cumulative
+score are kept. Scores never increase along a path, so with index tie-breaks the kept set is
+closed under ancestors.
+
+Sampling mode: every child is drawn (with ``ctx.generator``) from the processed draft
+distribution ``q = probs_from_logits(logits, ctx.sampling)`` over the target vocabulary, siblings
+without replacement; ``Draft.q`` records the distribution each node was drawn from. How many
+children a node gets is fixed before any of them is drawn, from values already drawn: per depth
+a share of the remaining node budget goes to the slots ``(node, j)`` with the largest
+``P(node) * (j-th largest q of node)``. Nothing drawn is dropped afterwards (a rerank on the
+drafts' own values would bias the output).
+
+Options: ``tree`` ("dynamic" | "chain"; chain = ``top_k`` 1), ``depth`` (5), ``top_k`` (8),
+``total_tokens`` (32 nodes including the root). ``ctx.max_depth``/``ctx.max_nodes`` lower them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..sampling import probs_from_logits
+from ..speculators import Eagle3Head, EagleHead, load_speculator
+from ..target import KVCache
+from ..tree import Draft
+from .base import DraftContext, Drafter, register_drafter
+
+__all__ = ["EagleDrafter", "Eagle3Drafter"]
+
+
+class EagleDrafter(Drafter):
+    type = "eagle"
+    head_class = EagleHead
+
+    def __init__(self, head, *, tree: str = "dynamic", depth: int = 5, top_k: int = 8, total_tokens: int = 32):
+        if not isinstance(head, self.head_class):
+            raise TypeError(f"the {self.type} drafter needs a {self.head_class.__name__}, got {type(head).__name__}")
+        if tree not in ("dynamic", "chain"):
+            raise ValueError(f"tree must be 'dynamic' or 'chain', got {tree!r}")
+        if depth < 1 or top_k < 1 or total_tokens < 2:
+            raise ValueError(f"need depth >= 1, top_k >= 1, total_tokens >= 2; got {depth}, {top_k}, {total_tokens}")
+        self.head = head.eval()
+        self.tree = tree
+        self.depth = depth
+        self.top_k = 1 if tree == "chain" else min(top_k, head.draft_vocab_size)
+        self.total_tokens = depth + 1 if tree == "chain" else total_tokens
+        self.feature_layers = tuple(head.feature_layers)
+        self.default_depth = depth
+        self.default_nodes = self.total_tokens
+        self.cache: KVCache | None = None
+        self._num_tokens = 0  # committed tokens, root included
+        self._queue_ids: list[torch.Tensor] = []  # next tokens of pairs not yet run
+        self._queue_hidden: list[torch.Tensor] = []  # fused features of those pairs
+        self._root_hidden: torch.Tensor | None = None  # head output for the root's pair [1, H]
+
+    # -- protocol ------------------------------------------------------------------------
+    def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        if prompt_ids.shape[0] != 1:
+            raise ValueError(f"the {self.type} drafter serves one sequence (batch size 1)")
+        self.cache = KVCache()
+        self._queue_ids, self._queue_hidden = [], []
+        self._root_hidden = None
+        self._num_tokens = prompt_ids.shape[1]
+        self._enqueue(prompt_ids[:, 1:], features)
+
+    def commit(self, new_tokens: torch.Tensor, features: torch.Tensor | None) -> None:
+        # features: old root + accepted drafts; pairs (feature_i, token_{i+1}) = (features, new_tokens)
+        self._num_tokens += new_tokens.shape[1]
+        self._enqueue(new_tokens, features)
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext) -> Draft:
+        if self.cache is None:
+            raise RuntimeError("call begin() before propose()")
+        if ctx.tokens.shape[0] != 1 or ctx.tokens.shape[1] != self._num_tokens:
+            raise RuntimeError(f"context has {tuple(ctx.tokens.shape)} tokens but the drafter committed "
+                               f"{self._num_tokens}: begin/commit were not called for every step")
+        root = ctx.tokens[:, -1]
+        self._run_queue()
+        depth = min(self.depth, ctx.max_depth)
+        budget = min(self.total_tokens, ctx.max_nodes) - 1
+        if depth < 1 or budget < 1 or self._root_hidden is None:
+            return Draft.root_only(root)
+        base = self.cache.length
+        try:
+            if ctx.sampling.greedy:
+                return self._grow_greedy(root, depth, budget)
+            return self._grow_sampling(root, depth, budget, ctx)
+        finally:
+            self.cache.crop(base)  # drop every draft entry: the cache holds committed pairs only
+
+    # -- committed pairs -----------------------------------------------------------------
+    def _enqueue(self, next_ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        n = next_ids.shape[1]
+        if features is None or n == 0:
+            if n:
+                raise ValueError(f"the {self.type} drafter needs target features (feature_layers={self.feature_layers})")
+            return
+        if features.shape[1] != n:
+            raise ValueError(f"got features for {features.shape[1]} tokens, expected {n}")
+        with torch.inference_mode():
+            self._queue_hidden.append(self.head.fuse_features(features))  # fuse once: [1, n, H]
+        self._queue_ids.append(next_ids.to(self.head.device))
+
+    def _run_queue(self) -> None:
+        if not self._queue_ids:
+            return
+        ids = torch.cat(self._queue_ids, dim=1)
+        hidden = torch.cat(self._queue_hidden, dim=1)
+        self._queue_ids, self._queue_hidden = [], []
+        out = self.head(ids, hidden, cache=self.cache)  # causal over the committed pairs
+        self.cache.commit()
+        self._root_hidden = out[:, -1]
+
+    # -- tree search ---------------------------------------------------------------------
+    def _step(self, ids: torch.Tensor, hidden: torch.Tensor, parent_rows: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``m`` draft nodes (target ids ``[m]``, parent outputs ``[m, H]``) at one depth.
+
+        ``parent_rows`` ``[m, S]`` bool marks each node's ancestors among the ``S`` draft entries
+        already in the cache. Returns head outputs ``[m, H]`` and the new ancestor rows
+        ``[m, S + m]`` (ancestors plus the node itself)."""
+        m = ids.shape[0]
+        dev = hidden.device
+        committed = self.cache.length - parent_rows.shape[1]
+        own = torch.eye(m, dtype=torch.bool, device=dev)
+        rows = torch.cat([parent_rows, own], dim=1)
+        allowed = torch.cat([torch.ones(m, committed, dtype=torch.bool, device=dev), rows], dim=1)
+        pos = torch.full((1, m), position, dtype=torch.long, device=dev)
+        out = self.head(ids.view(1, m), hidden.view(1, m, -1), position_ids=pos, attention_mask=allowed.unsqueeze(0),
+                        cache=self.cache)
+        self.cache.commit()  # kept until the crop in propose
+        return out[0], rows
+
+    def _grow_greedy(self, root: torch.Tensor, depth: int, budget: int) -> Draft:
+        head, k = self.head, self.top_k
+        d2t = head.draft_to_target
+        dev = self._root_hidden.device
+        base = self.cache.length
+        tokens, parents, scores = [], [], []  # per level, over nodes 1..N-1
+        n_nodes = 1
+        front_idx = torch.zeros(1, dtype=torch.long, device=dev)  # node ids of the frontier
+        front_h = self._root_hidden  # [m, H]
+        front_score = torch.zeros(1, dtype=torch.float64, device=dev)
+        front_rows = torch.zeros(1, 0, dtype=torch.bool, device=dev)
+        for d in range(1, depth + 1):
+            logp = torch.log_softmax(head.compute_logits(front_h).double(), dim=-1)
+            top = logp.topk(k, dim=-1)  # [m, k]
+            child_tok = top.indices if d2t is None else d2t[top.indices]
+            child_score = (front_score[:, None] + top.values).reshape(-1)
+            m = front_idx.shape[0]
+            tokens.append(child_tok.reshape(-1))
+            parents.append(front_idx.repeat_interleave(k))
+            scores.append(child_score)
+            child_idx = n_nodes + torch.arange(m * k, device=dev)
+            n_nodes += m * k
+            if d == depth:
+                break
+            # EAGLE-2: expand the top_k newest nodes by cumulative score
+            sel = child_score.topk(min(k, m * k)).indices.sort().values
+            par = sel // k
+            front_h, front_rows = self._step(tokens[-1][sel], front_h[par], front_rows[par], base + d - 1)
+            front_idx, front_score = child_idx[sel], child_score[sel]
+        tok = torch.cat(tokens)
+        par = torch.cat(parents)
+        score = torch.cat(scores)
+        # keep the best `budget` nodes; the stable sort breaks ties by index (parents first)
+        order = torch.sort(-score, stable=True).indices[:budget]
+        keep = order.sort().values  # creation order is topological
+        return _subtree(root, tok, par, keep, None)
+
+    def _grow_sampling(self, root: torch.Tensor, depth: int, budget: int, ctx: DraftContext) -> Draft:
+        head, k = self.head, self.top_k
+        d2t = head.draft_to_target
+        dev = self._root_hidden.device
+        V = head.architecture["vocab_size"]
+        base = self.cache.length
+        gen = ctx.generator
+        tokens, parents, qs, logP = [], [], [], []
+        n_nodes = 1
+        remaining = budget
+        front_idx = torch.zeros(1, dtype=torch.long, device=dev)
+        front_h = self._root_hidden
+        front_logP = torch.zeros(1, dtype=torch.float64, device=dev)
+        front_rows = torch.zeros(1, 0, dtype=torch.bool, device=dev)
+        for d in range(1, depth + 1):
+            q = probs_from_logits(head.compute_logits(front_h), ctx.sampling)  # [m, Vd]
+            if d2t is not None:  # map the draft vocabulary into the target's
+                q = q.new_zeros(q.shape[0], V).index_copy_(1, d2t, q)
+            m = q.shape[0]
+            # decide every node's child count before drawing any of them
+            level = math.ceil(remaining / (depth - d + 1))
+            cap = torch.clamp((q > 0).sum(-1), max=k)  # never more siblings than q has support
+            kk = int(cap.max())
+            sq = q.topk(kk, dim=-1).values.double()
+            value = front_logP[:, None] + sq.clamp_min(1e-300).log()
+            value = value.masked_fill(torch.arange(kk, device=dev)[None, :] >= cap[:, None], float("-inf"))
+            take = min(level, int(cap.sum()))
+            chosen = value.reshape(-1).topk(take).indices
+            counts = torch.bincount(chosen // kk, minlength=m)
+            remaining -= take
+            # draw siblings in rank order, without replacement
+            cur = q.clone()
+            drawn_tok = torch.zeros(m, kk, dtype=torch.long, device=dev)
+            drawn_q = q.new_zeros(m, kk, V)
+            for j in range(int(counts.max()) if m else 0):
+                act = (counts > j).nonzero().view(-1)
+                cur_a = cur[act] / cur[act].sum(-1, keepdim=True)
+                t = torch.multinomial(cur_a, 1, generator=gen).view(-1)
+                drawn_tok[act, j] = t
+                drawn_q[act, j] = cur_a
+                cur[act, t] = 0
+            valid = torch.arange(kk, device=dev)[None, :] < counts[:, None]  # row-major = parent, rank
+            rows_i, cols_j = valid.nonzero(as_tuple=True)
+            child_tok = drawn_tok[rows_i, cols_j]
+            tokens.append(child_tok)
+            parents.append(front_idx[rows_i])
+            qs.append(drawn_q[rows_i, cols_j])
+            child_logP = front_logP[rows_i] + q[rows_i, child_tok].double().clamp_min(1e-300).log()
+            logP.append(child_logP)
+            n_new = child_tok.shape[0]
+            child_idx = n_nodes + torch.arange(n_new, device=dev)
+            n_nodes += n_new
+            if d == depth or remaining <= 0 or n_new == 0:
+                break
+            # which new nodes get children next: the top_k by path probability (any drawn value may
+            # decide that; none decides whether a drawn node is kept)
+            sel = child_logP.topk(min(k, n_new)).indices.sort().values
+            par = rows_i[sel]
+            front_h, front_rows = self._step(child_tok[sel], front_h[par], front_rows[par], base + d - 1)
+            front_idx, front_logP = child_idx[sel], child_logP[sel]
+        tok = torch.cat(tokens)
+        keep = torch.arange(tok.shape[0], device=dev)
+        return _subtree(root, tok, torch.cat(parents), keep, torch.cat(qs))
+
+
+def _subtree(root: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, keep: torch.Tensor,
+             q: torch.Tensor | None) -> Draft:
+    """Assemble a Draft from candidate nodes ``1..M`` (``tok``/``par`` ``[M]``, parent ids in
+    1-based node numbering with 0 = root) keeping ``keep`` (0-based candidate indices, sorted,
+    ancestor-closed)."""
+    dev = tok.device
+    M = tok.shape[0]
+    new_id = torch.full((M + 1,), -1, dtype=torch.long, device=dev)
+    new_id[0] = 0
+    new_id[keep + 1] = torch.arange(1, keep.shape[0] + 1, device=dev)
+    new_par = new_id[par[keep]]
+    if bool((new_par < 0).any()):
+        raise AssertionError("draft tree selection is not closed under ancestors")
+    tokens = torch.cat([root.view(1).to(dev), tok[keep]]).view(1, -1)
+    parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=dev), new_par]).view(1, -1)
+    if q is not None:
+        q = torch.cat([q.new_zeros(1, q.shape[-1]), q[keep]]).unsqueeze(0)
+    return Draft(tokens, parents, q)
+
+
+def _make(drafter_cls, source, target, architecture: dict | None = None, seed: int | None = 0, **options):
+    head_cls = drafter_cls.head_class
+    if source is None:
+        head = head_cls.from_target(target, seed=seed, **(architecture or {}))
+    else:
+        if architecture:
+            raise ValueError("architecture= only applies to a random-init head (source=None)")
+        head = load_speculator(source, target)
+        if not isinstance(head, head_cls):
+            raise ValueError(f"{source}: holds a {head.type!r} speculator, not {drafter_cls.type!r}")
+    return drafter_cls(head, **options)
+
+
+class Eagle3Drafter(EagleDrafter):
+    type = "eagle3"
+    head_class = Eagle3Head
+
+
+@register_drafter("eagle")
+def _make_eagle(source, target, **options) -> EagleDrafter:
+    """``source``: an ``"eagle"`` checkpoint directory, or None for a random-init head."""
+    return _make(EagleDrafter, source, target, **options)
+
+
+@register_drafter("eagle3")
+def _make_eagle3(source, target, **options) -> Eagle3Drafter:
+    """``source``: an ``"eagle3"`` checkpoint directory, or None for a random-init head."""
+    return _make(Eagle3Drafter, source, target, **options)

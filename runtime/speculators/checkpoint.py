@@ -1,0 +1,300 @@
+"""The speculator checkpoint format: a directory with ``config.json`` + ``model.safetensors``.
+
+Scope: writing (:func:`save_speculator`, atomic), reading and strictly validating
+(:func:`read_config`, :func:`load_speculator`). Serving formats for other engines are export's
+business; they start from what this module loads.
+
+``config.json``::
+
+    {
+      "format": "specfoundry.speculator",
+      "format_version": 1,
+      "speculator_type": "eagle3",          # a key of SPECULATOR_REGISTRY
+      "architecture": {...},                # checked against the class's ARCHITECTURE_SCHEMA
+      "target": {"name": str, "vocab_size": int, "hidden_size": int, "num_layers": int,
+                 "fingerprint": str, "feature_layers": [int, ...]},
+      "training": {...}                     # optional, free-form metadata
+    }
+
+Every key is required unless marked optional; unknown keys, missing keys and wrong types are
+one :class:`CheckpointError` naming the file and the key. A checkpoint loads only against the
+target it was trained for (vocab size, hidden size, layer count and embedding fingerprint; the
+name is informational). Tensors a head shares with the target (the embedding; EAGLE-1's
+``lm_head``) are not stored: they are the target's own modules at load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = [
+    "CONFIG_NAME",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "WEIGHTS_NAME",
+    "CheckpointError",
+    "TargetMismatchError",
+    "load_speculator",
+    "read_config",
+    "save_speculator",
+    "validate_config",
+]
+
+FORMAT = "specfoundry.speculator"
+FORMAT_VERSION = 1
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+_TOP_SCHEMA = {
+    "format": str,
+    "format_version": int,
+    "speculator_type": str,
+    "architecture": dict,
+    "target": dict,
+    "training": dict,
+}
+_TOP_OPTIONAL = {"training"}
+_TARGET_SCHEMA = {
+    "name": str,
+    "vocab_size": int,
+    "hidden_size": int,
+    "num_layers": int,
+    "fingerprint": str,
+    "feature_layers": ("list", int),
+}
+# what must agree between the checkpoint's target and the given one (name is informational)
+_IDENTITY_KEYS = ("vocab_size", "hidden_size", "num_layers", "fingerprint")
+
+
+class CheckpointError(ValueError):
+    """A speculator checkpoint that cannot be used; names the file and, when known, the key."""
+
+    def __init__(self, file, key: str | None, problem: str):
+        self.file = str(file)
+        self.key = key
+        self.problem = problem
+        where = f"{self.file}: key {key!r}: " if key else f"{self.file}: "
+        super().__init__(where + problem)
+
+
+class TargetMismatchError(CheckpointError):
+    """The checkpoint was trained for a different target model."""
+
+
+def _registry() -> dict:
+    from . import SPECULATOR_REGISTRY  # the package defines it before importing this module
+
+    return SPECULATOR_REGISTRY
+
+
+# ------------------------------------------------------------------------------ validation
+
+
+def _type_ok(value, spec) -> bool:
+    if spec is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if spec is float:  # JSON writes 1.0 as 1.0, but a hand-edited 1 is still a number
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(spec, tuple) and spec[0] == "list":
+        return isinstance(value, list) and all(_type_ok(v, spec[1]) for v in value)
+    return isinstance(value, spec) and not (spec is not bool and isinstance(value, bool))
+
+
+def _type_name(spec) -> str:
+    if isinstance(spec, tuple):
+        return f"list of {_type_name(spec[1])}"
+    return {int: "int", float: "number", str: "string", bool: "bool", dict: "object"}[spec]
+
+
+def _json_type(value) -> str:
+    return {bool: "bool", int: "int", float: "number", str: "string", list: "list", dict: "object",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _check_fields(obj: dict, schema: dict, file, prefix: str = "", optional=frozenset()) -> None:
+    for key in obj:
+        if key not in schema:
+            raise CheckpointError(file, prefix + key, f"unknown key (allowed: {', '.join(sorted(schema))})")
+    for key, spec in schema.items():
+        if key not in obj:
+            if key in optional:
+                continue
+            raise CheckpointError(file, prefix + key, "missing")
+        if not _type_ok(obj[key], spec):
+            raise CheckpointError(file, prefix + key,
+                                  f"expected {_type_name(spec)}, got {_json_type(obj[key])} ({obj[key]!r:.60})")
+
+
+def validate_config(cfg, file=CONFIG_NAME, target=None) -> dict:
+    """Check a parsed ``config.json`` (and, given ``target``, the architecture's fit to it);
+    returns ``cfg`` or raises one :class:`CheckpointError`."""
+    if not isinstance(cfg, dict):
+        raise CheckpointError(file, None, f"expected a JSON object at the top level, got {_json_type(cfg)}")
+    _check_fields(cfg, _TOP_SCHEMA, file, optional=_TOP_OPTIONAL)
+    if cfg["format"] != FORMAT:
+        raise CheckpointError(file, "format", f"expected {FORMAT!r}, got {cfg['format']!r}")
+    if cfg["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(file, "format_version",
+                              f"this runtime reads version {FORMAT_VERSION}, got {cfg['format_version']}")
+    registry = _registry()
+    kind = cfg["speculator_type"]
+    if kind not in registry:
+        raise CheckpointError(file, "speculator_type", f"unknown type {kind!r} (known: {', '.join(sorted(registry))})")
+    cls = registry[kind]
+    _check_fields(cfg["architecture"], cls.ARCHITECTURE_SCHEMA, file, prefix="architecture.")
+    _check_fields(cfg["target"], _TARGET_SCHEMA, file, prefix="target.")
+    for key, problem in cls.architecture_problems(cfg["architecture"], target):
+        raise CheckpointError(file, "architecture." + key, problem)
+    if list(cfg["target"]["feature_layers"]) != list(cfg["architecture"]["feature_layers"]):
+        raise CheckpointError(file, "target.feature_layers",
+                              f"{cfg['target']['feature_layers']} != architecture.feature_layers "
+                              f"{cfg['architecture']['feature_layers']}")
+    return cfg
+
+
+def read_config(path) -> dict:
+    """Read and validate ``<path>/config.json`` (no target checks)."""
+    file = Path(path) / CONFIG_NAME
+    if not Path(path).is_dir():
+        raise CheckpointError(path, None, "not a speculator checkpoint directory (expected config.json + model.safetensors)")
+    if not file.is_file():
+        raise CheckpointError(file, None, "missing: not a speculator checkpoint directory")
+    try:
+        cfg = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(file, None, f"not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(file, None, f"not UTF-8 text: {exc}") from None
+    return validate_config(cfg, file)
+
+
+def _describe(identity: dict) -> str:
+    return (f"{identity.get('name')!r} (vocab_size={identity.get('vocab_size')}, hidden_size={identity.get('hidden_size')}, "
+            f"num_layers={identity.get('num_layers')}, fingerprint={identity.get('fingerprint')})")
+
+
+def _check_target(cfg: dict, target, file) -> None:
+    saved, given = cfg["target"], target.identity()
+    differ = [k for k in _IDENTITY_KEYS if saved[k] != given[k]]
+    if differ:
+        raise TargetMismatchError(
+            file, "target." + differ[0],
+            f"this {cfg['speculator_type']} speculator was trained for target {_describe(saved)} but the given "
+            f"target is {_describe(given)}; they differ in {', '.join(differ)}",
+        )
+
+
+# ------------------------------------------------------------------------------ save / load
+
+
+def save_speculator(module: nn.Module, path, target, training: dict | None = None) -> Path:
+    """Write ``module`` as a checkpoint directory at ``path`` (replacing an existing checkpoint).
+
+    Atomic for readers: everything is written to a temporary sibling directory and renamed into
+    place; an existing checkpoint is moved aside first and removed after. Returns the path.
+    """
+    registry = _registry()
+    kind = getattr(module, "type", None)
+    if registry.get(kind) is not type(module):
+        raise ValueError(f"{type(module).__name__} is not a registered speculator class ({sorted(registry)})")
+    ident = target.identity()
+    if module.target_identity is not None and any(module.target_identity[k] != ident[k] for k in _IDENTITY_KEYS):
+        raise ValueError(f"this {kind} head was built for target {_describe(module.target_identity)}, "
+                         f"not {_describe(ident)}")
+    cfg = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "speculator_type": kind,
+        "architecture": module.architecture,
+        "target": {**ident, "feature_layers": [int(i) for i in module.feature_layers]},
+    }
+    if training is not None:
+        cfg["training"] = training
+    try:
+        text = json.dumps(cfg, indent=2, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"checkpoint config is not JSON-serialisable: {exc}") from None
+    # the same checks a reader will run, so a saved checkpoint always loads
+    validate_config(json.loads(text), "<config being saved>", target)
+
+    from safetensors.torch import save_file
+
+    # clone: safetensors refuses aliased/non-contiguous storage and must not see live parameters
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in module.state_dict().items()}
+
+    path = Path(path)
+    parent = path.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not (path.is_dir() and ((path / CONFIG_NAME).exists() or not any(path.iterdir()))):
+        raise FileExistsError(f"{path} exists and is not a speculator checkpoint; refusing to replace it")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent))
+    try:
+        with open(tmp / CONFIG_NAME, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "speculator_type": kind})
+        if path.exists():
+            old = parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def load_speculator(path, target, device=None, dtype=None) -> nn.Module:
+    """Load the checkpoint at ``path`` for ``target`` (refused if trained for another target).
+
+    ``device``/``dtype`` default to the target's. The returned module is in eval mode.
+    """
+    path = Path(path)
+    cfg = read_config(path)
+    file = path / CONFIG_NAME
+    _check_target(cfg, target, file)
+    validate_config(cfg, file, target)  # the architecture against this target's shapes
+    cls = _registry()[cfg["speculator_type"]]
+
+    weights = path / WEIGHTS_NAME
+    if not weights.is_file():
+        raise CheckpointError(weights, None, "missing")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(weights), device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(weights, None, f"unreadable safetensors file: {exc}") from None
+
+    from .eagle import seeded_init
+
+    with seeded_init(0):  # the weights are overwritten; keep the caller's RNG untouched
+        module = cls.build(cfg["architecture"], target)
+    expected = module.state_dict()
+    for name in tensors:
+        if name not in expected:
+            raise CheckpointError(weights, name, f"unexpected tensor for a {cls.type} head")
+    for name, ref in expected.items():
+        if name not in tensors:
+            raise CheckpointError(weights, name, "missing tensor")
+        if tuple(tensors[name].shape) != tuple(ref.shape):
+            raise CheckpointError(weights, name, f"shape {tuple(tensors[name].shape)} != expected {tuple(ref.shape)}")
+        if tensors[name].is_floating_point() != ref.is_floating_point():
+            raise CheckpointError(weights, name, f"dtype {tensors[name].dtype} does not fit {ref.dtype}")
+    dtype = dtype or target.dtype
+    # cast floating tensors first so a bf16 checkpoint loaded as fp32 (or back) is one copy
+    module = module.to(dtype)
+    module.load_state_dict(tensors, strict=True)
+    return module.to(device or target.device).eval()

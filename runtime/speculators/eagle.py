@@ -1,0 +1,477 @@
+"""EAGLE speculator heads: ``EagleHead`` (EAGLE-1, type ``"eagle"``) and ``Eagle3Head`` (EAGLE-3,
+type ``"eagle3"``).
+
+Scope: the ``nn.Module`` definitions only: architecture schema (what a checkpoint's
+``architecture`` dict may hold), random init from a target (:meth:`from_target`), the one-step
+forward shared by the runtime drafter and by training, and the logits / vocabulary mapping.
+Tree search and KV-cache bookkeeping live in ``runtime/drafters/eagle.py``; reading and writing
+checkpoints in :mod:`.checkpoint`.
+
+Both heads consume *pairs* ``(h_t, x_{t+1})``: a hidden vector describing token ``t`` (the
+target's feature at first, the head's own output while drafting) and the embedding of the next
+token. Running the pair at position ``t`` yields the head's hidden state for token ``t + 1``,
+whose logits predict token ``t + 2``. RoPE is relative, so only position differences matter.
+
+EAGLE-1 (Li et al. 2024): ``feature_layers = (L,)``: the target's final *normed* hidden state,
+exactly what the target's ``lm_head`` consumes. Step input ``fc(cat(embed(x_{t+1}), f_t))``
+(2H -> H, with bias), one Llama decoder layer (without its input norm, as in EAGLE), output =
+the predicted feature ``f_{t+1}``. Because that feature lives in the already-normed space, the
+token logits are ``target.lm_head(f_pred)`` with **no** final norm. While drafting, predicted
+features go through ``fc`` like real ones.
+
+EAGLE-3 (Li et al. 2025): features from several target layers (default inputs of layers
+``(2, L//2, L-3)``), each RMS-normalised (target activations reach ~2.5e4) before the fusion
+``fc: F*H -> H``; one decoder layer whose attention reads ``cat(norm(embed), norm(h))`` (2H
+wide); output norm + its own ``lm_head`` over a reduced draft vocabulary (``d2t``: draft id ->
+target id, absolute ids; ``t2d``: bool mask over the target vocabulary). While drafting, the
+layer's (pre-norm) output replaces the fused feature.
+
+The embedding (both) and the LM head (EAGLE-1) are the target's own modules: held by reference,
+not registered as submodules, so they are neither trained nor stored in checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+__all__ = ["EagleHead", "Eagle3Head", "Eagle1DecoderLayer", "Eagle3DecoderLayer", "seeded_init"]
+
+# Architecture schema format (validated by checkpoint.py): key -> int | float | str | bool | dict
+# | ("list", int). Every key is required; unknown keys are errors.
+_LLAMA_LAYER_SCHEMA = {
+    "vocab_size": int,  # the target vocabulary (embedding rows)
+    "hidden_size": int,
+    "intermediate_size": int,
+    "num_attention_heads": int,
+    "num_key_value_heads": int,
+    "head_dim": int,
+    "hidden_act": str,
+    "rms_norm_eps": float,
+    "rope_parameters": dict,
+    "max_position_embeddings": int,
+    "feature_layers": ("list", int),
+}
+
+
+def _layer_arch_from_target(target) -> dict:
+    """Decoder-layer shape copied from the target, so a head layer can be initialised from a
+    target layer and shares its RoPE."""
+    c = target.config
+    heads = c.num_attention_heads
+    rope = getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": float(getattr(c, "rope_theta", 10000.0))}
+    return {
+        "vocab_size": int(target.vocab_size),
+        "hidden_size": int(target.hidden_size),
+        "intermediate_size": int(c.intermediate_size),
+        "num_attention_heads": int(heads),
+        "num_key_value_heads": int(getattr(c, "num_key_value_heads", None) or heads),
+        "head_dim": int(getattr(c, "head_dim", None) or target.hidden_size // heads),
+        "hidden_act": str(c.hidden_act),
+        "rms_norm_eps": float(c.rms_norm_eps),
+        "rope_parameters": copy.deepcopy(dict(rope)),
+        "max_position_embeddings": int(c.max_position_embeddings),
+    }
+
+
+def _layer_config(arch: dict) -> LlamaConfig:
+    cfg = LlamaConfig(
+        vocab_size=arch["vocab_size"],
+        hidden_size=arch["hidden_size"],
+        intermediate_size=arch["intermediate_size"],
+        num_hidden_layers=1,
+        num_attention_heads=arch["num_attention_heads"],
+        num_key_value_heads=arch["num_key_value_heads"],
+        head_dim=arch["head_dim"],
+        hidden_act=arch["hidden_act"],
+        rms_norm_eps=arch["rms_norm_eps"],
+        rope_parameters=copy.deepcopy(arch["rope_parameters"]),
+        max_position_embeddings=arch["max_position_embeddings"],
+    )
+    # sdpa takes the additive float tree mask as-is, like the eager path, and is faster
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+class Eagle1DecoderLayer(LlamaDecoderLayer):
+    """Upstream ``LlamaDecoderLayer``; changed: ``input_layernorm`` is the identity (EAGLE-1's
+    first layer feeds the fc output to attention un-normalised)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__(config, layer_idx=0)
+        self.input_layernorm = nn.Identity()
+
+
+class Eagle3DecoderLayer(LlamaDecoderLayer):
+    """Upstream ``LlamaDecoderLayer``; changed (as in EAGLE-3):
+
+    - ``q_proj``/``k_proj``/``v_proj`` read ``2H`` inputs: ``cat(input_layernorm(embed),
+      hidden_norm(h))``;
+    - a new ``hidden_norm`` for the hidden stream; ``input_layernorm`` normalises the embedding;
+    - the attention residual is the hidden stream ``h`` (not the concatenation).
+    """
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__(config, layer_idx=0)
+        H, hd = config.hidden_size, config.head_dim
+        bias = config.attention_bias
+        attn = self.self_attn
+        attn.q_proj = nn.Linear(2 * H, config.num_attention_heads * hd, bias=bias)
+        attn.k_proj = nn.Linear(2 * H, config.num_key_value_heads * hd, bias=bias)
+        attn.v_proj = nn.Linear(2 * H, config.num_key_value_heads * hd, bias=bias)
+        self.hidden_norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, input_embeds=None, attention_mask=None, position_ids=None, cache=None,
+                use_cache=False, position_embeddings=None, **kwargs):
+        residual = hidden_states
+        x = torch.cat([self.input_layernorm(input_embeds), self.hidden_norm(hidden_states)], dim=-1)
+        attn_out, _ = self.self_attn(
+            hidden_states=x,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = residual + attn_out
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+class _EagleBase(nn.Module):
+    """What both EAGLE heads share: schema, shared target modules, RoPE, the masked step."""
+
+    type: ClassVar[str] = ""
+    ARCHITECTURE_SCHEMA: ClassVar[dict] = {}
+
+    def __init__(self, architecture: dict, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.architecture = copy.deepcopy(dict(architecture))
+        self.config = _layer_config(self.architecture)
+        self.rotary_emb = LlamaRotaryEmbedding(self.config)  # inv_freq is a non-persistent buffer
+        # a plain dict keeps the target's modules out of parameters(), state_dict() and .to()
+        self._shared = {"embed_tokens": embed_tokens}
+        self.target_identity: dict | None = None  # set by build/from_target; save_speculator checks it
+
+    # -- facts ---------------------------------------------------------------------------
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(self.architecture["feature_layers"])
+
+    @property
+    def hidden_size(self) -> int:
+        return self.architecture["hidden_size"]
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._shared["embed_tokens"]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layer.post_attention_layernorm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layer.post_attention_layernorm.weight.device
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.architecture["vocab_size"]
+
+    @property
+    def draft_to_target(self) -> torch.Tensor | None:
+        """``[draft_vocab]`` long target ids, or None when the draft vocabulary is the target's."""
+        return None
+
+    # -- schema --------------------------------------------------------------------------
+    @classmethod
+    def architecture_problems(cls, arch: dict, target=None) -> list[tuple[str, str]]:
+        """Semantic checks after the type checks: ``[(key, problem), ...]`` (empty when fine)."""
+        out = []
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "max_position_embeddings"):
+            if arch[k] < 1:
+                out.append((k, f"must be >= 1, got {arch[k]}"))
+        if not out and arch["num_attention_heads"] % arch["num_key_value_heads"]:
+            out.append(("num_key_value_heads", f"{arch['num_key_value_heads']} does not divide num_attention_heads {arch['num_attention_heads']}"))
+        if arch["rms_norm_eps"] <= 0:
+            out.append(("rms_norm_eps", f"must be > 0, got {arch['rms_norm_eps']}"))
+        if "rope_type" not in arch["rope_parameters"] or "rope_theta" not in arch["rope_parameters"]:
+            out.append(("rope_parameters", "must hold at least 'rope_type' and 'rope_theta'"))
+        if not arch["feature_layers"]:
+            out.append(("feature_layers", "must not be empty"))
+        if target is not None:
+            if arch["hidden_size"] != target.hidden_size:
+                out.append(("hidden_size", f"{arch['hidden_size']} != target hidden size {target.hidden_size}"))
+            if arch["vocab_size"] != target.vocab_size:
+                out.append(("vocab_size", f"{arch['vocab_size']} != target vocabulary {target.vocab_size}"))
+            bad = [i for i in arch["feature_layers"] if not 0 <= i <= target.num_layers]
+            if bad:
+                out.append(("feature_layers", f"{bad} outside [0, {target.num_layers}] (target hidden_states indices)"))
+        return out
+
+    @classmethod
+    def default_architecture(cls, target) -> dict:
+        raise NotImplementedError
+
+    @classmethod
+    def _resolve_architecture(cls, target, overrides: dict) -> dict:
+        arch = cls.default_architecture(target)
+        unknown = sorted(set(overrides) - set(arch))
+        if unknown:
+            raise ValueError(f"unknown {cls.type} architecture option(s) {unknown}; allowed: {sorted(arch)}")
+        arch.update(copy.deepcopy(overrides))
+        if "feature_layers" in overrides:
+            arch["feature_layers"] = [int(i) for i in arch["feature_layers"]]
+        problems = cls.architecture_problems(arch, target)
+        if problems:
+            raise ValueError(f"invalid {cls.type} architecture: " + "; ".join(f"{k}: {m}" for k, m in problems))
+        return arch
+
+    # -- the step ------------------------------------------------------------------------
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features ``[B, n, F, H]`` (layers ``feature_layers``) -> step hidden ``[B, n, H]``."""
+        raise NotImplementedError
+
+    def _decode(self, input_ids, hidden, **layer_kwargs) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Head output ``[..., H]`` -> logits over the draft vocabulary ``[..., draft_vocab_size]``."""
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Run ``n`` pairs: ``input_ids`` ``[B, n]`` (the *next* tokens) and ``hidden`` ``[B, n, H]``
+        (fused features or earlier head outputs) -> head outputs ``[B, n, H]``.
+
+        ``cache`` is an optional :class:`~specfoundry.runtime.target.KVCache` (the new entries are
+        left pending, like ``TargetModel.forward``); ``position_ids`` default to
+        ``past + arange(n)``; ``attention_mask`` is None (causal), a bool ``[B, n, past + n]``
+        (True = may attend) or an additive float ``[B, 1, n, past + n]``.
+        """
+        if cache is not None and cache._pending:
+            raise RuntimeError("commit or roll back the head cache before the next step")
+        B, n = input_ids.shape
+        dev, dt = self.device, self.dtype
+        past = cache.length if cache is not None else 0
+        input_ids = input_ids.to(dev)
+        hidden = hidden.to(dev, dt)
+        if position_ids is None:
+            position_ids = (past + torch.arange(n, device=dev)).expand(B, n)
+        position_ids = position_ids.to(dev)
+        if attention_mask is None:
+            allowed = torch.ones(n, past + n, dtype=torch.bool, device=dev).tril(past).expand(B, n, past + n)
+            attention_mask = allowed
+        if attention_mask.dtype == torch.bool:
+            allowed = attention_mask.to(dev)
+            attention_mask = torch.zeros(B, 1, n, allowed.shape[-1], dtype=dt, device=dev)
+            attention_mask.masked_fill_(~allowed.unsqueeze(1), torch.finfo(dt).min)
+        pos_emb = self.rotary_emb(hidden, position_ids)
+        out = self._decode(
+            input_ids,
+            hidden,
+            attention_mask=attention_mask.to(dev, dt),
+            position_ids=position_ids,
+            cache=cache.hf if cache is not None else None,
+            use_cache=cache is not None,
+            position_embeddings=pos_emb,
+        )
+        if cache is not None:
+            # same bookkeeping as TargetModel.forward: the new entries stay pending until commit
+            cache._pending = n
+        return out
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        emb = self.embed_tokens
+        return emb(input_ids.to(emb.weight.device)).to(self.device, self.dtype)
+
+    # -- construction --------------------------------------------------------------------
+    @classmethod
+    def build(cls, architecture: dict, target) -> "_EagleBase":
+        """A head for ``target`` with freshly initialised (untrained) weights, in float32 on CPU;
+        :func:`~.checkpoint.load_speculator` overwrites them."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_target(cls, target, seed: int | None = 0, **architecture) -> "_EagleBase":
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def seeded_init(seed: int | None):
+    """Initialise under a fixed seed (None: fresh randomness) without disturbing the caller's
+    global CPU RNG. Heads are built on CPU, so only the CPU generator matters."""
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        yield
+
+
+class EagleHead(_EagleBase):
+    """EAGLE-1 head (type ``"eagle"``): ``fc(cat(embed, feature))`` -> one decoder layer ->
+    predicted final-normed feature; logits through the target's own ``lm_head``."""
+
+    type = "eagle"
+    ARCHITECTURE_SCHEMA = dict(_LLAMA_LAYER_SCHEMA)
+
+    def __init__(self, architecture: dict, embed_tokens: nn.Embedding, lm_head: nn.Linear):
+        super().__init__(architecture, embed_tokens)
+        H = self.architecture["hidden_size"]
+        self._shared["lm_head"] = lm_head
+        self.fc = nn.Linear(2 * H, H, bias=True)
+        self.layer = Eagle1DecoderLayer(self.config)
+
+    @classmethod
+    def architecture_problems(cls, arch, target=None):
+        out = super().architecture_problems(arch, target)
+        if len(arch["feature_layers"]) != 1:
+            out.append(("feature_layers", f"EAGLE-1 uses exactly one feature layer, got {arch['feature_layers']}"))
+        elif target is not None and arch["feature_layers"][0] != target.num_layers:
+            # the logits go through the target's lm_head with no norm: only index L fits
+            out.append(("feature_layers", f"EAGLE-1 needs the final normed feature [{target.num_layers}], got {arch['feature_layers']}"))
+        return out
+
+    @classmethod
+    def default_architecture(cls, target) -> dict:
+        return {**_layer_arch_from_target(target), "feature_layers": [int(target.num_layers)]}
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self._shared["lm_head"]
+
+    def fuse_features(self, features):
+        return features[:, :, 0].to(self.device, self.dtype)
+
+    def _decode(self, input_ids, hidden, **kw):
+        x = self.fc(torch.cat([self._embed(input_ids), hidden], dim=-1))
+        return self.layer(x, **kw)
+
+    def compute_logits(self, hidden):
+        # features at index L are already normed (what lm_head consumes): no final norm here
+        w = self.lm_head.weight
+        return self.lm_head(hidden.to(w.device, w.dtype))
+
+    @classmethod
+    def build(cls, architecture, target):
+        head = cls(architecture, target.embed_tokens, target.lm_head)
+        head.target_identity = target.identity()
+        return head
+
+    @classmethod
+    def from_target(cls, target, seed: int | None = 0, **architecture) -> "EagleHead":
+        """A random-init (untrained) EAGLE-1 head for ``target``; ``architecture`` overrides the
+        defaults (the target's layer shape, ``feature_layers=[L]``)."""
+        arch = cls._resolve_architecture(target, architecture)
+        with seeded_init(seed):
+            head = cls.build(arch, target)
+        return head.to(target.device, target.dtype)
+
+
+class Eagle3Head(_EagleBase):
+    """EAGLE-3 head (type ``"eagle3"``): normalised multi-layer feature fusion, a 2H-attention
+    decoder layer, output norm and a reduced-vocabulary ``lm_head`` (``d2t``/``t2d`` buffers)."""
+
+    type = "eagle3"
+    ARCHITECTURE_SCHEMA = {**_LLAMA_LAYER_SCHEMA, "draft_vocab_size": int}
+
+    def __init__(self, architecture: dict, embed_tokens: nn.Embedding):
+        super().__init__(architecture, embed_tokens)
+        a = self.architecture
+        H, F, Vd = a["hidden_size"], len(a["feature_layers"]), a["draft_vocab_size"]
+        self.feature_norms = nn.ModuleList([LlamaRMSNorm(H, eps=a["rms_norm_eps"]) for _ in range(F)])
+        self.fc = nn.Linear(F * H, H, bias=False)
+        self.layer = Eagle3DecoderLayer(self.config)
+        self.norm = LlamaRMSNorm(H, eps=a["rms_norm_eps"])
+        self.lm_head = nn.Linear(H, Vd, bias=False)
+        # persistent buffers: saved in the checkpoint, never cast by .to(dtype)
+        self.register_buffer("d2t", torch.arange(Vd, dtype=torch.long))
+        t2d = torch.zeros(a["vocab_size"], dtype=torch.bool)
+        t2d[:Vd] = True
+        self.register_buffer("t2d", t2d)
+
+    @classmethod
+    def architecture_problems(cls, arch, target=None):
+        out = super().architecture_problems(arch, target)
+        if not 1 <= arch["draft_vocab_size"] <= arch["vocab_size"]:
+            out.append(("draft_vocab_size", f"must be in [1, vocab_size={arch['vocab_size']}], got {arch['draft_vocab_size']}"))
+        return out
+
+    @classmethod
+    def default_architecture(cls, target) -> dict:
+        L = int(target.num_layers)
+        # EAGLE-3's low/mid/high: inputs of layers 2, L//2 and L-3 (clamped for tiny targets)
+        layers = [min(max(i, 0), L) for i in (2, L // 2, L - 3)]
+        return {**_layer_arch_from_target(target), "feature_layers": layers,
+                "draft_vocab_size": int(min(32000, target.vocab_size))}
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.architecture["draft_vocab_size"]
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        return self.d2t
+
+    def set_draft_vocab(self, token_ids) -> None:
+        """Set the draft vocabulary: ``token_ids`` (target ids, distinct, ``draft_vocab_size`` of them)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).view(-1).to(self.d2t.device)
+        V = self.architecture["vocab_size"]
+        if ids.numel() != self.draft_vocab_size:
+            raise ValueError(f"need {self.draft_vocab_size} draft token ids, got {ids.numel()}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
+            raise ValueError(f"draft token ids must lie in [0, {V})")
+        if ids.unique().numel() != ids.numel():
+            raise ValueError("draft token ids must be distinct")
+        self.d2t.copy_(ids)
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def fuse_features(self, features):
+        features = features.to(self.device, self.dtype)
+        if features.shape[2] != len(self.feature_norms):
+            raise ValueError(f"expected {len(self.feature_norms)} feature layers, got {features.shape[2]}")
+        # normalise each layer first: raw target activations reach ~2.5e4
+        parts = [norm(features[:, :, i]) for i, norm in enumerate(self.feature_norms)]
+        return self.fc(torch.cat(parts, dim=-1))
+
+    def _decode(self, input_ids, hidden, **kw):
+        return self.layer(hidden, input_embeds=self._embed(input_ids), **kw)
+
+    def compute_logits(self, hidden):
+        return self.lm_head(self.norm(hidden.to(self.device, self.dtype)))
+
+    @classmethod
+    def build(cls, architecture, target):
+        head = cls(architecture, target.embed_tokens)
+        head.target_identity = target.identity()
+        return head
+
+    @classmethod
+    def from_target(cls, target, seed: int | None = 0, draft_token_ids=None, **architecture) -> "Eagle3Head":
+        """A random-init (untrained) EAGLE-3 head for ``target``.
+
+        ``draft_token_ids`` picks the draft vocabulary (default: the first ``draft_vocab_size``
+        target ids); the head's ``lm_head`` rows and output norm are copied from the target's so
+        an untrained head already ranks tokens sensibly from a target-like hidden state.
+        """
+        if draft_token_ids is not None and "draft_vocab_size" not in architecture:
+            architecture = {**architecture, "draft_vocab_size": len(draft_token_ids)}
+        arch = cls._resolve_architecture(target, architecture)
+        with seeded_init(seed):
+            head = cls.build(arch, target)
+        if draft_token_ids is not None:
+            head.set_draft_vocab(draft_token_ids)
+        with torch.no_grad():
+            rows = target.lm_head.weight.detach()[head.d2t.to(target.lm_head.weight.device)]
+            head.lm_head.weight.copy_(rows.to("cpu", head.lm_head.weight.dtype))
+            head.norm.weight.copy_(target.final_norm.weight.detach().to("cpu", head.norm.weight.dtype))
+        return head.to(target.device, target.dtype)

@@ -1,0 +1,159 @@
+"""Medusa heads (type ``"medusa"``, Cai et al. 2024): the ``nn.Module`` only.
+
+Scope: the module, its architecture schema for checkpoints, random init from a target and a
+default static tree (:func:`default_medusa_choices`). The drafter that turns head logits into a
+draft tree is ``runtime/drafters/medusa.py``.
+
+``K`` heads read the target's final normed hidden state (hidden_states index ``L``) of the last
+token whose features are known, i.e. the token *before* the root. The target's own ``lm_head``
+on that state already produced the root, so head ``k`` (0-based) predicts the token ``k + 1``
+steps after the root. Each head is ``num_layers`` residual blocks ``x + SiLU(Linear(x))``
+followed by its own ``lm_head`` (initialised from the target's, trained and stored, as in
+Medusa-1). The blocks' linear layers start at zero (as in Medusa), so an untrained head is the
+target's ``lm_head``.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from .eagle import seeded_init
+
+__all__ = ["ResBlock", "MedusaHeads", "default_medusa_choices"]
+
+
+class ResBlock(nn.Module):
+    """``x + SiLU(Linear(x))``; zero-initialised so a fresh block is the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    type: ClassVar[str] = "medusa"
+    ARCHITECTURE_SCHEMA: ClassVar[dict] = {
+        "hidden_size": int,
+        "vocab_size": int,
+        "num_heads": int,  # K
+        "num_layers": int,  # residual blocks per head
+        "feature_layers": ("list", int),
+    }
+
+    def __init__(self, architecture: dict):
+        super().__init__()
+        self.architecture = copy.deepcopy(dict(architecture))
+        a = self.architecture
+        H, V = a["hidden_size"], a["vocab_size"]
+        # one distinct module per block and per head: `[ResBlock(H)] * n` would share one block
+        self.heads = nn.ModuleList(
+            nn.Sequential(*[ResBlock(H) for _ in range(a["num_layers"])], nn.Linear(H, V, bias=False))
+            for _ in range(a["num_heads"])
+        )
+        self.target_identity: dict | None = None
+
+    @property
+    def num_heads(self) -> int:
+        return self.architecture["num_heads"]
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(self.architecture["feature_layers"])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.heads[0][-1].weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.heads[0][-1].weight.device
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[..., H]`` (target feature ``L``) -> logits ``[..., K, V]``."""
+        hidden = hidden.to(self.device, self.dtype)
+        return torch.stack([head(hidden) for head in self.heads], dim=-2)
+
+    @classmethod
+    def architecture_problems(cls, arch: dict, target=None) -> list[tuple[str, str]]:
+        out = []
+        for k in ("hidden_size", "vocab_size", "num_heads", "num_layers"):
+            if arch[k] < (0 if k == "num_layers" else 1):
+                out.append((k, f"must be >= {0 if k == 'num_layers' else 1}, got {arch[k]}"))
+        if len(arch["feature_layers"]) != 1:
+            out.append(("feature_layers", f"Medusa reads exactly one feature layer, got {arch['feature_layers']}"))
+        if target is not None:
+            if arch["hidden_size"] != target.hidden_size:
+                out.append(("hidden_size", f"{arch['hidden_size']} != target hidden size {target.hidden_size}"))
+            if arch["vocab_size"] != target.vocab_size:
+                out.append(("vocab_size", f"{arch['vocab_size']} != target vocabulary {target.vocab_size}"))
+            if len(arch["feature_layers"]) == 1 and arch["feature_layers"][0] != target.num_layers:
+                # the heads' lm_heads start as the target's, which reads the final normed state
+                out.append(("feature_layers", f"Medusa reads the final normed feature [{target.num_layers}], got {arch['feature_layers']}"))
+        return out
+
+    @classmethod
+    def default_architecture(cls, target) -> dict:
+        return {"hidden_size": int(target.hidden_size), "vocab_size": int(target.vocab_size), "num_heads": 4,
+                "num_layers": 1, "feature_layers": [int(target.num_layers)]}
+
+    @classmethod
+    def build(cls, architecture: dict, target) -> "MedusaHeads":
+        """Untrained heads in float32 on CPU (``load_speculator`` overwrites the weights)."""
+        heads = cls(architecture)
+        heads.target_identity = target.identity()
+        return heads
+
+    @classmethod
+    def from_target(cls, target, seed: int | None = 0, **architecture) -> "MedusaHeads":
+        """Random-init heads for ``target`` (defaults: 4 heads, 1 block each); every head's
+        ``lm_head`` starts as a copy of the target's."""
+        arch = cls.default_architecture(target)
+        unknown = sorted(set(architecture) - set(arch))
+        if unknown:
+            raise ValueError(f"unknown medusa architecture option(s) {unknown}; allowed: {sorted(arch)}")
+        arch.update(copy.deepcopy(architecture))
+        problems = cls.architecture_problems(arch, target)
+        if problems:
+            raise ValueError("invalid medusa architecture: " + "; ".join(f"{k}: {m}" for k, m in problems))
+        with seeded_init(seed):
+            heads = cls.build(arch, target)
+        w = target.lm_head.weight.detach().to("cpu", torch.float32)
+        with torch.no_grad():
+            for head in heads.heads:
+                head[-1].weight.copy_(w)
+        return heads.to(target.device, target.dtype)
+
+
+# Rough acceptance of the rank-r candidate of a head (decaying with rank) used only to shape the
+# default static tree: paths are ranked by the product over their depths.
+_RANK_WEIGHT = (0.55, 0.15, 0.07, 0.04, 0.025, 0.015, 0.01, 0.007, 0.005, 0.003)
+
+
+def default_medusa_choices(num_heads: int, num_nodes: int = 24) -> list[list[int]]:
+    """A static tree of ``num_nodes`` draft nodes for ``num_heads`` heads: the ``num_nodes``
+    paths with the largest product of per-rank weights. Products shrink along a path and with
+    rank, so the set is closed under prefixes and under lower sibling ranks."""
+    if num_heads < 1 or num_nodes < 1:
+        return [] if num_heads < 1 else [[0]]
+    w = _RANK_WEIGHT
+    heap = [(-w[r], (r,)) for r in range(len(w))]
+    heapq.heapify(heap)
+    out: list[list[int]] = []
+    while heap and len(out) < num_nodes:
+        negv, path = heapq.heappop(heap)
+        out.append(list(path))
+        if len(path) < num_heads:
+            for r in range(len(w)):
+                heapq.heappush(heap, (negv * w[r], path + (r,)))
+    return out
