@@ -1,6 +1,5 @@
 """Greedy exactness: speculative output equals plain greedy output token for token, for every
-registered drafter, on tiny float64 Llamas (where rounding cannot hide a bug) and on the real
-SmolLM2-135M (float32: a divergence must be a reported rounding near-tie)."""
+registered drafter, on tiny float64 Llamas (where rounding cannot hide a bug)."""
 
 import pytest
 import torch
@@ -9,6 +8,8 @@ from tiny_models import perturbed_copy, tiny_llama
 from specfoundry.runtime import SpeculativeGenerator, available_drafters, load_drafter
 from specfoundry.runtime.drafters.draft import DraftModelDrafter
 from specfoundry.runtime.lossless import compare_greedy
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 7, 9, 10, 11, 7, 7], [42], [5, 6, 5, 6, 5, 6, 5, 6, 5, 6, 30, 31]]
 
@@ -79,34 +80,6 @@ def test_eos_stops_generation_like_plain():
         assert out.token_ids == plain.token_ids[: first + 1]
     finally:
         target.model.generation_config.eos_token_id = None
-
-
-SMOL_PROMPTS = [
-    "Write a Python function that returns the n-th Fibonacci number, with a docstring and an example.",
-    "Explain in a few sentences why the sky is blue.",
-    "List five tips for writing clean code, one line each.",
-    "Translate to French: The weather is nice today and we are going to the park.",
-    "Summarize the plot of Romeo and Juliet in three sentences.",
-]
-
-
-@pytest.mark.parametrize("drafter_name", ["ngram", "eagle3"])
-def test_greedy_exact_on_smollm2(smollm2, drafter_name):
-    if drafter_name not in available_drafters():
-        pytest.fail(f"drafter {drafter_name} is not registered")
-    drafter = load_drafter(drafter_name, target=smollm2)
-    gen = SpeculativeGenerator(smollm2, drafter)
-    report = []
-    for prompt in SMOL_PROMPTS:
-        spec = gen.generate(prompt=prompt, max_new_tokens=64, stop_at_eos=False)
-        plain = gen.generate(prompt=prompt, max_new_tokens=64, stop_at_eos=False, speculate=False)
-        assert len(spec.token_ids) == len(plain.token_ids) == 64
-        cmp = compare_greedy(smollm2, spec.prompt_ids, spec.token_ids, plain.token_ids)
-        if not cmp.identical:
-            report.append(f"{prompt[:40]!r}: diverged at {cmp.first_divergence}, top-2 gap {cmp.top2_gap:.2e}")
-        assert cmp.ok, f"non-near-tie divergence ({drafter_name}): {cmp}"
-    if report:  # near-ties are allowed but shown
-        print("near-tie divergences:\n" + "\n".join(report))
 
 
 def test_compare_greedy_flags_a_real_divergence(tiny_target):

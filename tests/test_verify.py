@@ -4,9 +4,10 @@ import torch
 import pytest
 
 from specfoundry.runtime.sampling import SamplingParams, probs_from_logits
-from specfoundry.runtime.tree import Draft
+from specfoundry.runtime.tree import Draft, path_to, tree_depths
 from specfoundry.runtime.verify import (
     VerifyResult,
+    _path,
     _residual,
     verify,
     verify_greedy_chain,
@@ -66,8 +67,10 @@ def test_greedy_chain_root_only():
     assert r.path.tolist() == [[0], [0]]
     assert r.next_token.tolist() == [5, 6]
     same(r, verify_greedy_tree(d, logits_with_argmax([[5], [6]])))
-    s = verify_sampling_tree(d, onehot([[5], [6]]), gen())
-    assert s.path.tolist() == [[0], [0]] and s.next_token.tolist() == [5, 6]
+    for f in (verify_sampling_tree, verify_sampling_chain):
+        s = f(d, onehot([[5], [6]]), gen())
+        assert s.path.tolist() == [[0], [0]] and s.next_token.tolist() == [5, 6]
+        assert s.accept_len.tolist() == [0, 0]
 
 
 # ----------------------------------------------------------------------------- greedy tree
@@ -350,3 +353,13 @@ def test_shape_errors():
     dq = Draft.chain(torch.tensor([0]), torch.tensor([[1, 2]]), torch.rand(1, 2, V + 1))
     with pytest.raises(ValueError):
         verify(dq, torch.zeros(1, 3, V), SamplingParams(temperature=1.0), gen())
+
+
+def test_path_helper_matches_tree_path_to():
+    g = gen(4)
+    B, N = 32, 9
+    parents = torch.tensor([[-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)]
+                            for _ in range(B)])
+    depths = tree_depths(parents)
+    node = torch.randint(0, N, (B,), generator=g)
+    assert torch.equal(_path(parents, depths, node, int(depths.max())), path_to(parents, node))

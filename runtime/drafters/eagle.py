@@ -91,8 +91,9 @@ class EagleDrafter(Drafter):
                                f"{self._num_tokens}: begin/commit were not called for every step")
         root = ctx.tokens[:, -1]
         self._run_queue()
-        depth = min(self.depth, ctx.max_depth)
         budget = min(self.total_tokens, ctx.max_nodes) - 1
+        # kept trees are ancestor-closed, so no kept node is deeper than the node budget
+        depth = min(self.depth, ctx.max_depth, budget)
         if depth < 1 or budget < 1 or self._root_hidden is None:
             return Draft.root_only(root)
         base = self.cache.length

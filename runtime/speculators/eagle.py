@@ -157,9 +157,19 @@ class _EagleBase(nn.Module):
         self.architecture = copy.deepcopy(dict(architecture))
         self.config = _layer_config(self.architecture)
         self.rotary_emb = LlamaRotaryEmbedding(self.config)  # inv_freq is a non-persistent buffer
+        self._inv_freq32 = self.rotary_emb.inv_freq.detach().clone().float()  # plain attribute, see _apply
         # a plain dict keeps the target's modules out of parameters(), state_dict() and .to()
         self._shared = {"embed_tokens": embed_tokens}
         self.target_identity: dict | None = None  # set by build/from_target; save_speculator checks it
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # keep RoPE frequencies in float32: .to(bfloat16) would round them (~0.4%) and skew the
+        # phase of distant positions; rotary_emb computes cos/sin in float32 anyway
+        rot = self.rotary_emb
+        rot.inv_freq = self._inv_freq32.to(rot.inv_freq.device)
+        rot.original_inv_freq = self._inv_freq32.to(rot.inv_freq.device)
+        return self
 
     # -- facts ---------------------------------------------------------------------------
     @property
@@ -468,10 +478,11 @@ class Eagle3Head(_EagleBase):
         arch = cls._resolve_architecture(target, architecture)
         with seeded_init(seed):
             head = cls.build(arch, target)
+        head = head.to(target.device, target.dtype)  # copy the target rows at full precision
         if draft_token_ids is not None:
             head.set_draft_vocab(draft_token_ids)
         with torch.no_grad():
-            rows = target.lm_head.weight.detach()[head.d2t.to(target.lm_head.weight.device)]
-            head.lm_head.weight.copy_(rows.to("cpu", head.lm_head.weight.dtype))
-            head.norm.weight.copy_(target.final_norm.weight.detach().to("cpu", head.norm.weight.dtype))
-        return head.to(target.device, target.dtype)
+            w = target.lm_head.weight.detach()
+            head.lm_head.weight.copy_(w[head.d2t.to(w.device)])
+            head.norm.weight.copy_(target.final_norm.weight.detach())
+        return head

@@ -128,11 +128,12 @@ class MedusaHeads(nn.Module):
             raise ValueError("invalid medusa architecture: " + "; ".join(f"{k}: {m}" for k, m in problems))
         with seeded_init(seed):
             heads = cls.build(arch, target)
-        w = target.lm_head.weight.detach().to("cpu", torch.float32)
+        heads = heads.to(target.device, target.dtype)  # copy the target's lm_head at full precision
+        w = target.lm_head.weight.detach()
         with torch.no_grad():
             for head in heads.heads:
                 head[-1].weight.copy_(w)
-        return heads.to(target.device, target.dtype)
+        return heads
 
 
 # Rough acceptance of the rank-r candidate of a head (decaying with rank) used only to shape the
