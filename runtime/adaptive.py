@@ -58,6 +58,10 @@ class AdaptiveController:
         a0, n0 = self.prior
         return [(a0 + self.passed[d]) / (n0 + self.tried[d]) for d in range(1, self.max_depth + 1)]
 
+    def observed_acceptance(self) -> list[float]:
+        """Measured conditional acceptance per depth (no prior; 0.0 where never tried)."""
+        return [self.passed[d] / self.tried[d] if self.tried[d] else 0.0 for d in range(1, self.max_depth + 1)]
+
     def _verify_seconds(self, n: int) -> float | None:
         if n in self.verify_cost:
             return self.verify_cost[n].value

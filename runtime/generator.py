@@ -25,6 +25,7 @@ from .verify import verify
 @dataclass
 class GenerationStats:
     tau: float = 0.0  # new tokens per target forward (decode steps only)
+    # conditional: P(draft at depth d accepted | depth d-1 accepted), d = 1..max depth
     acceptance_by_position: list[float] = field(default_factory=list)
     target_forwards: int = 0
     drafted: int = 0  # draft nodes proposed (root excluded)
@@ -133,8 +134,6 @@ class SpeculativeGenerator:
         max_depth = self.max_depth if drafter else 0
         control = AdaptiveController(max_depth, enabled=self.adaptive and drafter is not None)
         stats = GenerationStats()
-        pos_tried = [0] * (max_depth + 1)
-        pos_ok = [0] * (max_depth + 1)
 
         t_start = time.perf_counter()
         ids = torch.tensor([prompt], dtype=torch.long, device=dev)
@@ -177,11 +176,6 @@ class SpeculativeGenerator:
             n_acc = int(res.accept_len[0])
             depth_drafted = int(depths.max()) if n_drafted else 0
             control.record(depth_drafted, n_acc, draft.num_nodes, t2 - t1, (t1 - t0) + (t3 - t2))
-            for d in range(1, depth_drafted + 1):
-                if d - 1 > n_acc:
-                    break
-                pos_tried[d] += 1
-                pos_ok[d] += int(n_acc >= d)
             stats.target_forwards += 1
             stats.drafted += n_drafted
             stats.accepted += n_acc
@@ -203,7 +197,7 @@ class SpeculativeGenerator:
             stats.new_tokens = len(emitted)
             stats.seconds = time.perf_counter() - t_start
             stats.tau = stats.new_tokens / stats.target_forwards
-            stats.acceptance_by_position = [pos_ok[d] / pos_tried[d] if pos_tried[d] else 0.0 for d in range(1, max_depth + 1)]
+            stats.acceptance_by_position = control.observed_acceptance()
             text = target.decode(emitted) if target.tokenizer is not None else ""
             delta, text_so_far = text[len(text_so_far):], text
             yield StreamChunk(step_tokens, delta, stats)
