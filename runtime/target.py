@@ -25,6 +25,15 @@ class TargetOutput:
     features: torch.Tensor | None  # [B, n, F, H] hidden states of the requested layers
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool ``[B, n, S]`` (True = may attend) -> additive float ``[B, 1, n, S]``.
+
+    An additive float mask works for both the sdpa and eager attention paths of transformers.
+    """
+    mask = torch.zeros(allowed.shape[0], 1, *allowed.shape[1:], dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed.unsqueeze(1), torch.finfo(dtype).min)
+
+
 class KVCache:
     """A transformers ``DynamicCache`` plus commit/rollback of tree nodes."""
 
@@ -35,6 +44,15 @@ class KVCache:
 
     def _layers(self):
         return self.hf.layers
+
+    def check_ready(self) -> None:
+        """A forward may only run when nothing is pending."""
+        if self._pending:
+            raise RuntimeError("commit or roll back the previous forward before the next one")
+
+    def mark_appended(self, n: int) -> None:
+        """Record that a forward appended ``n`` entries, pending until :meth:`commit`."""
+        self._pending = n
 
     def commit(self, keep: torch.Tensor | None = None) -> None:
         """Keep the committed prefix plus the pending entries at ``keep`` (``[m]`` indices into
@@ -196,8 +214,7 @@ class TargetModel:
         stay pending in ``cache`` until :meth:`KVCache.commit`. ``logits_for`` optionally
         restricts the LM head to those new-token indices (prefill only needs the last one).
         """
-        if cache._pending:
-            raise RuntimeError("commit or roll back the previous forward before the next one")
+        cache.check_ready()
         B, n = input_ids.shape
         dev = self.device
         input_ids = input_ids.to(dev)
@@ -207,9 +224,7 @@ class TargetModel:
         if tree_mask is None:
             tree_mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(B, n, n)
         full = torch.cat([torch.ones(B, n, past, dtype=torch.bool, device=dev), tree_mask.to(dev)], dim=-1)
-        # an additive float mask works for both the sdpa and eager attention paths
-        mask = torch.zeros(B, 1, n, past + n, dtype=self.dtype, device=dev)
-        mask.masked_fill_(~full.unsqueeze(1), torch.finfo(self.dtype).min)
+        mask = additive_mask(full, self.dtype)
         want_hidden = bool(feature_layers)
         out = self.model.model(
             input_ids=input_ids,
@@ -219,7 +234,7 @@ class TargetModel:
             use_cache=True,
             output_hidden_states=want_hidden,
         )
-        cache._pending = n
+        cache.mark_appended(n)
         hidden = out.last_hidden_state
         if logits_for is not None:
             hidden = hidden[:, logits_for.to(dev)]

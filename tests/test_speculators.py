@@ -48,13 +48,7 @@ def make_target(seed=0, vocab=V, layers=4) -> TargetModel:
     return TargetModel(model, name=f"tiny-{seed}-{vocab}")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # two busy cores: a 2-thread torch process can slow ~10x on tiny matmuls
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +150,11 @@ def test_load_casts_dtype_but_not_index_buffers(target, tmp_path):
     assert loaded.fc.weight.dtype == torch.float32
     assert loaded.d2t.dtype == torch.long and loaded.t2d.dtype == torch.bool
     assert torch.equal(loaded.d2t, head.d2t)
+
+
+def test_rope_frequencies_stay_float32_under_casts(target):
+    head = EagleHead.from_target(target).to(torch.bfloat16)
+    assert head.fc.weight.dtype == torch.bfloat16 and head.rotary_emb.inv_freq.dtype == torch.float32
 
 
 def test_save_replaces_atomically_and_leaves_no_temp(target, tmp_path):
@@ -351,7 +350,7 @@ class Checked:
         check_draft(draft, ctx)
         cache = getattr(self.inner, "cache", None)
         if cache is not None:  # EAGLE: back to the committed pairs (features known for tokens[:-1])
-            assert cache.length == ctx.tokens.shape[1] - 1 and cache._pending == 0
+            assert cache.length == ctx.tokens.shape[1] - 1 and not cache._pending
             for layer in cache.hf.layers:
                 assert layer.keys.shape[-2] == cache.length
         self.proposals += 1

@@ -9,16 +9,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..speculators.checkpoint import read_config
 from .base import DRAFTER_REGISTRY, DraftContext, Drafter, register_drafter
 from . import ngram as _ngram  # noqa: F401  (registers "ngram")
 from . import draft as _draft  # noqa: F401  (registers "draft")
 
-try:  # heads land in their own modules; import registers them
-    from . import eagle as _eagle  # noqa: F401
-    from . import medusa as _medusa  # noqa: F401
-except ImportError as exc:  # pragma: no cover - only while a module is missing
-    if "eagle" not in str(exc) and "medusa" not in str(exc):
-        raise
+from . import eagle as _eagle  # noqa: F401  (registers "eagle", "eagle3")
+from . import medusa as _medusa  # noqa: F401  (registers "medusa")
+
+
+def _json_keys(cfg_file: Path) -> set:
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError:
+        return {"speculator_type"}  # let read_config report the broken file
+    return set(cfg) if isinstance(cfg, dict) else set()
 
 
 def available_drafters() -> list[str]:
@@ -37,14 +42,9 @@ def load_drafter(source, target, **options) -> Drafter:
     path = Path(str(source)).expanduser()
     cfg_file = path / "config.json"
     if path.is_dir() and cfg_file.exists():
-        try:
-            cfg = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{cfg_file}: not valid JSON ({exc})") from None
-        kind = cfg.get("speculator_type") if isinstance(cfg, dict) else None
-        if kind is not None:
-            if kind not in DRAFTER_REGISTRY:
-                raise ValueError(f"{cfg_file}: unknown speculator_type {kind!r}; known: {available_drafters()}")
+        if "speculator_type" in _json_keys(cfg_file):
+            # a speculator checkpoint: the one validating reader gives the error messages
+            kind = read_config(path)["speculator_type"]
             return DRAFTER_REGISTRY[kind](path, target, **options)
         return DRAFTER_REGISTRY["draft"](path, target, **options)
     from ..models import builtin_targets

@@ -128,7 +128,8 @@ class EagleDrafter(Drafter):
         self._root_hidden = out[:, -1]
 
     # -- tree search ---------------------------------------------------------------------
-    def _step(self, ids: torch.Tensor, hidden: torch.Tensor, parent_rows: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, ids: torch.Tensor, hidden: torch.Tensor, parent_rows: torch.Tensor,
+              position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``m`` draft nodes (target ids ``[m]``, parent outputs ``[m, H]``) at one depth.
 
         ``parent_rows`` ``[m, S]`` bool marks each node's ancestors among the ``S`` draft entries
@@ -239,7 +240,9 @@ class EagleDrafter(Drafter):
                 break
             # which new nodes get children next: the top_k by path probability (any drawn value may
             # decide that; none decides whether a drawn node is kept)
-            sel = child_logP.topk(min(k, n_new)).indices.sort().values
+            # (no more of them than the next level's node budget could serve)
+            n_expand = min(k, n_new, math.ceil(remaining / (depth - d)))
+            sel = child_logP.topk(n_expand).indices.sort().values
             par = rows_i[sel]
             front_h, front_rows = self._step(child_tok[sel], front_h[par], front_rows[par], base + d - 1)
             front_idx, front_logP = child_idx[sel], child_logP[sel]

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+from ..target import additive_mask
 
 __all__ = ["EagleHead", "Eagle3Head", "Eagle1DecoderLayer", "Eagle3DecoderLayer", "seeded_init"]
 
@@ -268,8 +269,8 @@ class _EagleBase(nn.Module):
         ``past + arange(n)``; ``attention_mask`` is None (causal), a bool ``[B, n, past + n]``
         (True = may attend) or an additive float ``[B, 1, n, past + n]``.
         """
-        if cache is not None and cache._pending:
-            raise RuntimeError("commit or roll back the head cache before the next step")
+        if cache is not None:
+            cache.check_ready()
         B, n = input_ids.shape
         dev, dt = self.device, self.dtype
         past = cache.length if cache is not None else 0
@@ -282,9 +283,7 @@ class _EagleBase(nn.Module):
             allowed = torch.ones(n, past + n, dtype=torch.bool, device=dev).tril(past).expand(B, n, past + n)
             attention_mask = allowed
         if attention_mask.dtype == torch.bool:
-            allowed = attention_mask.to(dev)
-            attention_mask = torch.zeros(B, 1, n, allowed.shape[-1], dtype=dt, device=dev)
-            attention_mask.masked_fill_(~allowed.unsqueeze(1), torch.finfo(dt).min)
+            attention_mask = additive_mask(attention_mask.to(dev), dt)
         pos_emb = self.rotary_emb(hidden, position_ids)
         out = self._decode(
             input_ids,
@@ -297,7 +296,7 @@ class _EagleBase(nn.Module):
         )
         if cache is not None:
             # same bookkeeping as TargetModel.forward: the new entries stay pending until commit
-            cache._pending = n
+            cache.mark_appended(n)
         return out
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
