@@ -83,3 +83,30 @@ def _make_draft(source, target, device=None, dtype=None, **options) -> DraftMode
     else:
         lm = load_target(str(source), device=device or target.device, dtype=dtype or target.dtype)
     return DraftModelDrafter(lm, target, **options)
+
+
+def layer_subset_model(target: TargetModel, layers: list[int]) -> TargetModel:
+    """A smaller causal LM made of some of ``target``'s decoder layers plus its embeddings, final
+    norm and LM head: a draft model sharing the tokenizer (and the usual initialisation for
+    distilling one)."""
+    import copy
+
+    if not layers or any(not 0 <= i < target.num_layers for i in layers):
+        raise ValueError(f"layers must be a non-empty subset of 0..{target.num_layers - 1}, got {layers}")
+    cfg = copy.deepcopy(target.model.config)
+    cfg.num_hidden_layers = len(layers)
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = [cfg.layer_types[i] for i in layers]
+    model = type(target.model)(cfg).to(target.dtype)
+    src = target.model.state_dict()
+    state = {}
+    for key, value in src.items():
+        if key.startswith("model.layers."):
+            idx, rest = key[len("model.layers."):].split(".", 1)
+            if int(idx) in layers:
+                state[f"model.layers.{layers.index(int(idx))}.{rest}"] = value
+        else:
+            state[key] = value
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    return TargetModel(model.to(target.device), target.tokenizer, name=f"{target.name}-layers{len(layers)}")
