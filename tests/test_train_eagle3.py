@@ -53,7 +53,7 @@ def test_loss_goes_down_on_tiny_target():
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     losses = []
     for _ in range(30):
-        loss, metrics = method.loss(batch)
+        loss, metrics = method(batch)
         opt.zero_grad()
         loss.backward()
         opt.step()

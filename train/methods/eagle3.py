@@ -21,21 +21,23 @@ from specfoundry.runtime.adaptive import expected_tokens
 from specfoundry.runtime.target import KVCache
 
 
-class Eagle3Method:
+class Eagle3Method(torch.nn.Module):
+    """``forward(batch) -> (loss, metrics)``; an ``nn.Module`` so Accelerate/DeepSpeed can wrap
+    the whole loss (the head is its only trainable submodule)."""
+
     def __init__(self, head, target_lm_head: torch.nn.Linear, ttt_steps: int = 3, position_decay: float = 0.8):
+        super().__init__()
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
         self.head = head
         self.ttt_steps = ttt_steps
         self.decay = position_decay
-        self._lm_weight = target_lm_head.weight  # frozen, shared with the target
-
-    def parameters(self):
-        return self.head.parameters()
+        # the target's frozen LM head: a plain attribute, so it is neither trained nor saved
+        self._lm_weight = {"w": target_lm_head.weight}
 
     def target_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """Target logits over the draft vocabulary for ``last_hidden`` ``[..., H]``."""
-        w = self._lm_weight.detach()
+        w = self._lm_weight["w"].detach()
         d2t = self.head.draft_to_target
         w = w[d2t.to(w.device)] if d2t is not None else w
         return last_hidden.to(w.dtype) @ w.T
@@ -71,7 +73,7 @@ class Eagle3Method:
             sizes.append(n)
         return outs
 
-    def loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
+    def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
         input_ids = batch["input_ids"]
         valid = batch["attention_mask"].bool() & batch["loss_mask"].bool()
         outs = self.unroll(input_ids, batch["features"])
