@@ -74,3 +74,26 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
     assert seen_killed[:ckpt_step] + resumed_seen == seen_full
     for k in w_full:
         torch.testing.assert_close(w_resumed[k], w_full[k], rtol=1e-5, atol=1e-6)
+
+
+def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, monkeypatch):
+    from specfoundry.train.tracking import init_tracking, read_offline_history, wandb_run_dir
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc login
+    AcceleratorState._reset_state(True)
+    acc = Accelerator(cpu=True, log_with="wandb")
+    mode = init_tracking(acc, "specfoundry-test", "tiny", {"lr": 3e-3}, tmp_path)
+    assert mode == "offline"
+    target = tiny_llama(0, dtype=torch.float32)
+    head = Eagle3Head.from_target(target, draft_vocab_size=48)
+    data = _data(target, head, n_batches=3)
+    train_loop(acc, Eagle3Method(head, target.lm_head, ttt_steps=2), lambda e, s: iter(data[s:]),
+               LoopConfig(max_steps=4, log_every=1), tmp_path)
+    acc.end_training()
+    run = wandb_run_dir(tmp_path)
+    assert run is not None and run.name.startswith("offline-run-")
+    rows = read_offline_history(run)
+    assert [r["_step"] for r in rows] == [1, 2, 3, 4]
+    assert {"loss", "loss/step0", "top1/step0", "predicted_tau", "lr", "tokens_per_s"} <= set(rows[-1])
