@@ -38,6 +38,7 @@ class LoopConfig:
     log_every: int = 10
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
+    micro_batch_size: int = 1  # per process; fills DeepSpeed's "auto" (we feed batches, not a DataLoader)
 
 
 def make_scheduler(optimizer, cfg: LoopConfig):
@@ -98,6 +99,15 @@ def train_loop(
     by tests to simulate a killed run). Returns a summary dict.
     """
     run_dir = Path(run_dir)
+    ds = getattr(accelerator.state, "deepspeed_plugin", None)
+    if ds is not None:
+        conf = ds.deepspeed_config
+        for key, value in (("train_micro_batch_size_per_gpu", cfg.micro_batch_size),
+                           ("gradient_accumulation_steps", accelerator.gradient_accumulation_steps),
+                           ("gradient_clipping", cfg.grad_clip or 0.0)):
+            if conf.get(key, "auto") == "auto":
+                conf[key] = value
+        conf.pop("train_batch_size", None) if conf.get("train_batch_size") == "auto" else None
     params = [p for p in method.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = make_scheduler(optimizer, cfg)
@@ -160,4 +170,6 @@ def train_loop(
         state["step_in_epoch"] = 0
     bar.close()
     _save_checkpoint(accelerator, run_dir, state, cfg.keep_checkpoints)
-    return {**state, "stopped_by_time": stopped_by_time, "history": history}
+    # the full weights (gathered from every rank under ZeRO-3), for saving the speculator
+    full_state = accelerator.get_state_dict(method)
+    return {**state, "stopped_by_time": stopped_by_time, "history": history, "state_dict": full_state}
