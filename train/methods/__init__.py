@@ -1,10 +1,11 @@
-"""Training methods: each supplies ``loss(batch) -> (loss, metrics)`` to the one training loop.
+"""Training methods: each is an ``nn.Module`` whose ``forward(batch)`` returns
+``(loss, metrics)`` for the one training loop; registry keyed by the recipe's ``method``."""
 
-Registry keyed by the recipe's ``method`` string.
-"""
-
+from .draft import DraftKDMethod
+from .eagle1 import Eagle1Method
 from .eagle3 import Eagle3Method
+from .medusa import MedusaMethod
 
-METHODS = {"eagle3": Eagle3Method}
+METHODS = {"eagle3": Eagle3Method, "eagle": Eagle1Method, "medusa1": MedusaMethod, "draft": DraftKDMethod}
 
-__all__ = ["METHODS", "Eagle3Method"]
+__all__ = ["METHODS", "DraftKDMethod", "Eagle1Method", "Eagle3Method", "MedusaMethod"]

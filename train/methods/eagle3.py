@@ -15,10 +15,10 @@ vocabulary, weighted ``decay**j``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from specfoundry.runtime.adaptive import expected_tokens
 from specfoundry.runtime.target import KVCache
+
+from .common import finish_metrics, soft_ce
 
 
 class Eagle3Method(torch.nn.Module):
@@ -88,17 +88,12 @@ class Eagle3Method(torch.nn.Module):
             with torch.no_grad():
                 p = torch.softmax(self.target_logits(batch["last_hidden"][:, 1 + j : 1 + j + n]).float(), dim=-1)
             mask = valid[:, 2 + j : 2 + j + n]
-            denom = mask.sum().clamp(min=1)
-            ce = -(p * F.log_softmax(q_logits, dim=-1)).sum(-1)
-            step_loss = (ce * mask).sum() / denom
+            step_loss, agree = soft_ce(q_logits, p, mask)
             total = total + (self.decay**j) * step_loss
-            with torch.no_grad():
-                agree = ((q_logits.argmax(-1) == p.argmax(-1)) & mask).sum() / denom
             metrics[f"loss/step{j}"] = float(step_loss.detach())
             metrics[f"top1/step{j}"] = float(agree)
             acc.append(float(agree))
-        # conditional acceptance estimate: step j agreement given the earlier ones (TTT inputs are
-        # the head's own outputs, so step j's agreement approximates P(accept j | accepted j-1))
-        metrics["predicted_tau"] = expected_tokens(acc, len(acc)) if acc else 1.0
-        metrics["loss"] = float(total.detach()) if torch.is_tensor(total) else total
+        # TTT step j feeds the head its own outputs, so its agreement approximates the
+        # conditional acceptance at draft depth j+1
+        finish_metrics(metrics, acc, total)
         return total, metrics

@@ -1,0 +1,40 @@
+"""Medusa-1 training (frozen backbone): head ``k`` on the target's final normed hidden state of
+token ``t`` learns the target's distribution of token ``t + 2 + k`` (the target's own LM head
+gives ``t + 1``), soft cross-entropy weighted ``decay**k``."""
+
+from __future__ import annotations
+
+import torch
+
+from .common import finish_metrics, soft_ce
+
+
+class MedusaMethod(torch.nn.Module):
+    def __init__(self, heads, target_lm_head: torch.nn.Linear, position_decay: float = 0.8):
+        super().__init__()
+        self.heads = heads
+        self.decay = position_decay
+        self._lm = {"head": target_lm_head}  # frozen, not a submodule
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        h = batch["last_hidden"]  # [B, L, H]
+        valid = batch["attention_mask"].bool() & batch["loss_mask"].bool()
+        L = h.shape[1]
+        logits = self.heads(h)  # [B, L, K, V]
+        lm = self._lm["head"]
+        total, metrics, acc = 0.0, {}, []
+        for k in range(self.heads.num_heads):
+            n = L - 2 - k  # tokens t whose target t+2+k exists
+            if n < 1:
+                break
+            with torch.no_grad():
+                p = torch.softmax(lm(h[:, 1 + k : 1 + k + n].to(lm.weight.dtype)).float(), dim=-1)
+            loss_k, agree = soft_ce(logits[:, :n, k], p, valid[:, 2 + k : 2 + k + n])
+            total = total + (self.decay**k) * loss_k
+            metrics[f"loss/head{k}"] = float(loss_k.detach())
+            metrics[f"top1/head{k}"] = float(agree)
+            acc.append(float(agree))
+        # head k's agreement is an unconditional rate; divided by head k-1's it approximates the
+        # conditional acceptance that Leviathan's formula expects
+        conditional = [acc[0]] + [acc[i] / acc[i - 1] if acc[i - 1] else 0.0 for i in range(1, len(acc))]
+        return total, finish_metrics(metrics, [min(1.0, a) for a in conditional], total)
