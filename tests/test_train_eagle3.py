@@ -1,5 +1,4 @@
-"""EAGLE-3 training method: the TTT unroll computes what the runtime drafter computes, and the
-loss goes down on a tiny target."""
+"""EAGLE-3 training: the TTT unroll computes exactly what the runtime drafter computes."""
 
 import torch
 
@@ -43,20 +42,3 @@ def test_ttt_unroll_equals_runtime_drafting():
                          cache=cache)
                 cache.commit()
                 torch.testing.assert_close(h[0, 0], outs[j][0, s], rtol=0, atol=1e-10)
-
-
-def test_loss_goes_down_on_tiny_target():
-    target = tiny_llama(0, dtype=torch.float32)
-    head = Eagle3Head.from_target(target, draft_vocab_size=48)
-    method = Eagle3Method(head, target.lm_head, ttt_steps=2)
-    batch = _batch(target, head, B=4, L=16)
-    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(30):
-        loss, metrics = method(batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
-    assert losses[-1] < 0.7 * losses[0], losses
-    assert set(metrics) >= {"loss", "loss/step0", "top1/step0", "predicted_tau"}
