@@ -1,0 +1,602 @@
+"""The training plan a ``--dry-run`` prints: sizes, memory per device, tokens, steps, time.
+
+Scope: pure functions of a validated :class:`~specfoundry.train.recipe.Recipe` and the target's
+:class:`~specfoundry.train.presets.Architecture` (a preset or a local ``config.json``): no model
+is built or downloaded and torch is not imported. :func:`make_plan` computes, :func:`format_plan`
+renders.
+
+Everything here is an estimate, and the assumptions are named where they are made:
+
+- Parameters are counted from the architecture (Llama-style layers; exact for the presets).
+- Memory per device follows the ZeRO paper's accounting (Rajbhandari et al. 2020) for Adam:
+  mixed precision under DeepSpeed keeps 2 B weights + 2 B gradients + 12 B optimizer states
+  (fp32 master, m, v) per trainable parameter; stage 1 partitions the optimizer states, stage 2
+  also the gradients, stage 3 also the weights, each over the data-parallel processes. Without
+  DeepSpeed (accelerate autocast) weights, gradients and both moments are fp32: 4 + 4 + 8 B.
+  The frozen target is counted apart: whole per process (replicate), 1/N under ZeRO-3
+  (placement zero3), or spread over a machine's GPUs (device_map). Activations assume SDPA /
+  flash attention (no seq^2 term) and a micro-batch of ``batch_size x max_seq_len`` tokens.
+- Token counts assume the averages in ``_ASSUMED`` where the recipe gives only caps.
+- Wall time is given only where a throughput was measured (``_MEASURED``, from DESIGN.md);
+  otherwise only the recipe's ``max_minutes`` caps are shown.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .presets import Architecture, PresetError, resolve_architecture
+from .recipe import (DraftSpeculator, Eagle3Speculator, EagleSpeculator, FilePrompts, MagpiePrompts,
+                     Medusa2Speculator, MedusaSpeculator, Recipe, RecipeError, BUILTIN_HELDOUT, default_feature_layers,
+                     read_accelerate_config, read_deepspeed_config, resolve)
+
+__all__ = ["Plan", "Memory", "SpeculatorSize", "make_plan", "format_plan", "speculator_size", "architecture_problems"]
+
+GB = 1e9
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+# Averages used where a recipe only states caps. Magpie prompts usually stop well before the cap;
+# greedy self-distilled answers of instruct models often run close to a small max_new_tokens.
+_ASSUMED = {
+    "magpie_prompt_fraction": 0.6,  # of max_prompt_tokens
+    "file_prompt_tokens": 128,  # first user turns of ShareGPT/UltraChat-style data
+    "response_fraction": 0.85,  # of max_new_tokens
+}
+
+# Measured throughputs (DESIGN.md, "Measured here": 2-core dev machine, SmolLM2-135M).
+# generate: batched bf16 greedy generation ~400 tok/s (fp32 about half); capture: one forward
+# per sequence ~900 tok/s; decode_step_s: one batch-1 decode step (HF eager, fp32) ~43 ms;
+# train eagle3: an EAGLE-3 head trained 500 s on 107k tokens for ~7 epochs -> >= ~1500 tok/s.
+_MEASURED: dict[tuple[str, str], dict] = {
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "cpu"): {
+        "generate_tok_s": {"bf16": 400.0, "fp16": 400.0, "fp32": 200.0},
+        "capture_tok_s": 900.0,
+        "decode_step_s": 0.043,
+        "train_tok_s": {"eagle3": 1500.0},
+    },
+}
+
+_OVERHEAD = {"cuda": 2.0 * GB, "mps": 1.0 * GB, "cpu": 0.5 * GB}  # CUDA context + allocator slack / Python + torch
+
+
+@dataclass
+class SpeculatorSize:
+    description: str
+    total: int  # parameters the speculator's checkpoint holds (draft: the whole draft model)
+    trainable: int  # parameters the optimizer updates
+    layer_params: int  # the largest trainable layer (ZeRO-3 gathers one at a time)
+
+
+@dataclass
+class Memory:
+    """Bytes per device for one ZeRO stage (``total`` excludes what is offloaded to host)."""
+
+    zero_stage: int
+    world_size: int
+    placement: str
+    target_weights: float
+    trainable_weights: float
+    gradients: float
+    optimizer_states: float
+    activations: float
+    gather_buffers: float
+    overhead: float
+    offloaded: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return (self.target_weights + self.trainable_weights + self.gradients + self.optimizer_states
+                + self.activations + self.gather_buffers + self.overhead)
+
+
+@dataclass
+class Plan:
+    recipe: Recipe  # resolved
+    target: Architecture
+    speculator: SpeculatorSize
+    device: str  # cpu | cuda | mps
+    world_size: int
+    num_machines: int
+    zero_stage: int
+    placement: str
+    target_params: int
+    target_weight_bytes: float  # whole target in its dtype (all devices together)
+    memory: Memory  # the recipe's own stage
+    memory_by_stage: dict[int, Memory]  # what-if: no ZeRO / ZeRO-2 / ZeRO-3 (multi-process only)
+    device_memory: float | None
+    fits: bool | None
+    # data
+    prompts: int | None
+    prompt_sources: list[str]
+    train_prompts: int | None
+    eval_prompts: int
+    prompt_tokens: float  # average per prompt
+    response_tokens: float  # average per response
+    seq_tokens: float  # average per training sequence (capped at max_seq_len)
+    total_tokens: float | None  # train sequences x seq_tokens
+    loss_tokens: float | None
+    generated_tokens: float | None  # tokens the target writes (magpie prompts + responses)
+    # schedule
+    global_batch: int
+    steps_per_epoch: int | None
+    steps: int | None
+    epochs: float | None
+    # time (seconds; None = no measured throughput)
+    data_s: float | None
+    train_s: float | None
+    eval_s: float | None
+    budget_s: dict[str, float | None]  # the recipe's max_minutes caps per stage
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def trainable_params(self) -> int:
+        return self.speculator.trainable
+
+
+# --------------------------------------------------------------------------------------------
+# parameters
+# --------------------------------------------------------------------------------------------
+
+def _draft_arch(spec: DraftSpeculator, target: Architecture) -> Architecture:
+    if spec.init_from is not None:
+        return resolve_architecture(spec.init_from)
+    if spec.layers is not None:
+        return Architecture(**{**target.to_dict(), "name": f"{target.name} layers {spec.layers}",
+                               "num_layers": len(spec.layers)})
+    c = spec.config
+    return Architecture(name="draft", hidden_size=c.hidden_size, num_layers=c.num_layers,
+                        num_attention_heads=c.num_attention_heads,
+                        num_key_value_heads=c.num_key_value_heads or c.num_attention_heads,
+                        intermediate_size=c.intermediate_size or -(-(8 * c.hidden_size // 3) // 64) * 64,
+                        vocab_size=target.vocab_size, head_dim=c.head_dim,
+                        tie_word_embeddings=target.tie_word_embeddings)
+
+
+def speculator_size(recipe: Recipe, target: Architecture) -> SpeculatorSize:
+    """Parameter counts of the recipe's speculator for ``target`` (mirrors runtime/speculators)."""
+    s, A = recipe.speculator, target
+    H = A.hidden_size
+    F = len(recipe.target.feature_layers or default_feature_layers(recipe.method, A.num_layers) or [])
+    if isinstance(s, Eagle3Speculator):
+        # F feature norms + fc (F*H -> H, no bias); first layer's attention reads cat(embed, h): 2H;
+        # three norms in that layer; output norm; lm_head over the draft vocabulary
+        first = A.attention_params(2 * H) + A.mlp_params() + 3 * H
+        rest = (s.num_layers - 1) * A.layer_params()
+        n = F * H + F * H * H + first + rest + H + H * s.draft_vocab_size
+        return SpeculatorSize(f"EAGLE-3 head: {s.num_layers} layer(s), features {F}, draft vocab {s.draft_vocab_size}",
+                              n, n, max(first, A.layer_params() if s.num_layers > 1 else 0))
+    if isinstance(s, EagleSpeculator):
+        # fc (2H -> H, bias) + decoder layers without the input norm; the target's lm_head is reused
+        layer = A.layer_params() - H
+        n = 2 * H * H + H + s.num_layers * layer
+        return SpeculatorSize(f"EAGLE-1 head: {s.num_layers} layer(s)", n, n, layer)
+    if isinstance(s, MedusaSpeculator):
+        per_head = s.num_layers * (H * H + H) + H * A.vocab_size
+        heads = s.num_heads * per_head
+        desc = f"Medusa heads: {s.num_heads} x ({s.num_layers} block(s) + own LM head)"
+        if isinstance(s, Medusa2Speculator) and s.lora is not None:
+            shapes = A.linear_shapes()
+            lora = A.num_layers * sum(s.lora.r * (i + o) for m, (i, o) in shapes.items() if m in s.lora.target_modules)
+            missing = sorted(set(s.lora.target_modules) - set(shapes))
+            desc += f" + LoRA r={s.lora.r} on {', '.join(s.lora.target_modules)}"
+            if missing:
+                desc += f" (not counted: {', '.join(missing)})"
+            return SpeculatorSize(desc, heads + lora, heads + lora, H * A.vocab_size)
+        return SpeculatorSize(desc, heads, heads, H * A.vocab_size)
+    if isinstance(s, DraftSpeculator):
+        d = _draft_arch(s, A)
+        n = d.param_count()
+        how = (f"from {s.init_from}" if s.init_from else f"from target layers {s.layers}" if s.layers is not None
+               else "fresh config")
+        desc = f"draft model ({how}): {d.num_layers} layers, hidden {d.hidden_size}"
+        return SpeculatorSize(desc, n, n, max(d.layer_params(), d.embedding_params()))
+    raise TypeError(f"unknown speculator {type(s).__name__}")  # pragma: no cover
+
+
+def architecture_problems(recipe: Recipe, target: Architecture) -> list[tuple[str, str]]:
+    """Recipe checks that need the target's shape (layer indices, vocabularies)."""
+    out, s, L = [], recipe.speculator, target.num_layers
+    fl = recipe.target.feature_layers
+    if fl is not None and recipe.method != "draft":
+        bad = [i for i in fl if not 0 <= i <= L]
+        if bad:
+            out.append(("target.feature_layers", f"{bad} outside [0, {L}] (hidden_states indices of a {L}-layer target)"))
+        if recipe.method in ("eagle", "medusa1", "medusa2") and fl != [L]:
+            out.append(("target.feature_layers", f"{recipe.method} reads the final normed state: [{L}], got {fl}"))
+    if isinstance(s, Eagle3Speculator) and s.draft_vocab_size > target.vocab_size:
+        out.append(("speculator.draft_vocab_size", f"{s.draft_vocab_size} exceeds the target vocabulary {target.vocab_size}"))
+    if isinstance(s, (Eagle3Speculator, EagleSpeculator)) and s.init_from_target_layer is not None \
+            and s.init_from_target_layer >= L:
+        out.append(("speculator.init_from_target_layer", f"{s.init_from_target_layer} is not a layer of a {L}-layer target"))
+    if isinstance(s, DraftSpeculator):
+        if s.layers is not None and max(s.layers) >= L:
+            out.append(("speculator.layers", f"{[i for i in s.layers if i >= L]} are not layers of a {L}-layer target"))
+        if s.init_from is not None:
+            try:
+                d = resolve_architecture(s.init_from)
+            except PresetError as e:
+                out.append(("speculator.init_from", str(e)))
+            else:
+                if d.vocab_size != target.vocab_size:
+                    out.append(("speculator.init_from", f"{s.init_from} has vocabulary {d.vocab_size}, the target "
+                                                        f"{target.vocab_size}: a draft must share the tokenizer"))
+    if isinstance(s, Medusa2Speculator) and s.lora is not None:
+        unknown = sorted(set(s.lora.target_modules) - set(target.linear_shapes()))
+        if unknown:
+            out.append(("speculator.lora.target_modules",
+                        f"{unknown} are not linear layers of the target (have {sorted(target.linear_shapes())})"))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# memory
+# --------------------------------------------------------------------------------------------
+
+def _layer_activation_elems(A: Architecture, input_width: int | None = None) -> int:
+    """Saved-for-backward elements per token of one Llama layer: norm in/out, q/k/v, attention
+    out, o_proj out, post-norm, gate/up/act/product (SDPA keeps no seq^2 matrix)."""
+    i = input_width or A.hidden_size
+    return 2 * i + 2 * A.hidden_size + 2 * A.q_dim + 2 * A.kv_dim + 4 * A.intermediate_size
+
+
+def _activations(r: Recipe, A: Architecture, spec: SpeculatorSize, device: str) -> tuple[float, list[str]]:
+    tr, d, s = r.training, r.data, r.speculator
+    tokens = tr.batch_size * d.max_seq_len
+    act = _BYTES[tr.precision]
+    tb = _BYTES[r.target.dtype]
+    H, V = A.hidden_size, A.vocab_size
+    F = len(r.target.feature_layers or default_feature_layers(r.method, A.num_layers) or [])
+    notes = [f"activations for a micro-batch of {tr.batch_size} x {d.max_seq_len} tokens"]
+    logit = act + 4 + 4  # logits + fp32 log-softmax + their gradient
+    total = 0.0
+    # the frozen target's forward (no grad): one layer's working set + captured features
+    if d.hidden_states == "online" or r.method in ("medusa2", "draft"):
+        total += tokens * (4 * H + 3 * A.intermediate_size) * tb + F * tokens * H * tb
+    else:
+        total += (F + 1) * tokens * H * tb  # features read back from the offline shards
+    if isinstance(s, Eagle3Speculator):
+        steps = tr.ttt_steps or 3
+        per_step = _layer_activation_elems(A, 2 * H) * act + 2 * H * act + s.draft_vocab_size * logit
+        total += tokens * (F * H * act + steps * per_step + V * tb + s.draft_vocab_size * 4)
+        notes.append(f"EAGLE-3 unroll x{steps} (ttt_steps), target distribution over the full vocabulary")
+    elif isinstance(s, EagleSpeculator):
+        total += tokens * (s.num_layers * _layer_activation_elems(A) * act + 2 * H * act + V * logit)
+    elif isinstance(s, MedusaSpeculator):
+        total += tokens * s.num_heads * (s.num_layers * 3 * H * act + V * logit)
+        if isinstance(s, Medusa2Speculator):
+            total += tokens * V * (tb + 4)  # the original model's logits (LM self-distillation)
+            total += _backbone_activations(tokens, A, A.num_layers, act, tr.gradient_checkpointing, notes)
+    elif isinstance(s, DraftSpeculator):
+        dA = _draft_arch(s, A)
+        total += _backbone_activations(tokens, dA, dA.num_layers, act, tr.gradient_checkpointing, notes)
+        total += tokens * (V * logit + V * (tb + 4))  # draft logits + target logits for the KD loss
+    return total, notes
+
+
+def _backbone_activations(tokens, A: Architecture, layers: int, act: int, checkpointing: bool, notes) -> float:
+    if checkpointing:
+        notes.append("gradient checkpointing: one layer input per layer kept, one layer recomputed at a time")
+        return tokens * (layers * A.hidden_size + _layer_activation_elems(A)) * act
+    return tokens * layers * _layer_activation_elems(A) * act
+
+
+def _memory(r: Recipe, A: Architecture, spec: SpeculatorSize, stage: int, world: int, placement: str,
+            device: str, ds: dict | None) -> Memory:
+    notes: list[str] = []
+    tb = _BYTES[r.target.dtype]
+    N = max(world, 1)
+    # which parts of the target the training step holds
+    offline = r.data.hidden_states == "offline" and r.method not in ("medusa2", "draft")
+    if offline:
+        shared = A.embedding_params()  # the head embeds tokens with the target's embedding
+        if r.method in ("eagle", "eagle3"):
+            shared += A.lm_head_params()  # target logits from the stored final feature
+        target_bytes = shared * tb
+        notes.append("offline hidden states: the step holds only the target's embedding/LM head; the "
+                     f"capture pass beforehand holds the whole target ({A.param_count() * tb / GB:.1f} GB)")
+    else:
+        target_bytes = A.param_count() * tb
+    if placement == "zero3":
+        target_bytes /= N
+        notes.append(f"frozen target partitioned over {N} processes by ZeRO-3")
+    elif placement == "device_map":
+        notes.append("frozen target spread over the visible GPUs by device_map: per-GPU share = this / GPU count")
+    # the trainable speculator
+    P = spec.trainable
+    use_ds = ds is not None or stage > 0
+    if r.training.precision == "fp32":
+        w, g, o = 4, 4, 8
+    elif use_ds:
+        w, g, o = 2, 2, 12  # bf16/fp16 weights and grads; fp32 master + Adam m, v
+    else:
+        w, g, o = 4, 4, 8  # autocast keeps fp32 parameters
+    weights, grads, optim = P * w, P * g, P * o
+    if stage >= 1:
+        optim /= N
+    if stage >= 2:
+        grads /= N
+    if stage >= 3:
+        weights /= N
+    offloaded = 0.0
+    zo = (ds or {}).get("zero_optimization", {})
+    if stage >= 2 and zo.get("offload_optimizer", {}).get("device") in ("cpu", "nvme"):
+        offloaded += optim
+        optim = 0.0
+        notes.append("optimizer states offloaded to host memory")
+    if stage == 3 and zo.get("offload_param", {}).get("device") in ("cpu", "nvme"):
+        offloaded += weights + (target_bytes if placement == "zero3" else 0)
+        weights = 0.0
+        if placement == "zero3":
+            target_bytes = 0.0
+        notes.append("parameters offloaded to host memory (gathered to the GPU layer by layer)")
+    gather = 0.0
+    if stage == 3 and N > 1:
+        # the all-gathered layer in use plus the one being prefetched
+        layer = max(spec.layer_params * w, A.layer_params() * tb if placement == "zero3" else 0)
+        gather = 2 * layer
+    acts, act_notes = _activations(r, A, spec, device)
+    return Memory(zero_stage=stage, world_size=N, placement=placement, target_weights=target_bytes,
+                  trainable_weights=weights, gradients=grads, optimizer_states=optim, activations=acts,
+                  gather_buffers=gather, overhead=_OVERHEAD[device], offloaded=offloaded, notes=notes + act_notes)
+
+
+# --------------------------------------------------------------------------------------------
+# data and schedule
+# --------------------------------------------------------------------------------------------
+
+def _count_file_records(path: str) -> int | None:
+    """Records in a local JSON/JSONL file, or None when it is not here (never fatal)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        return None
+    try:
+        if p.suffix == ".jsonl":
+            # split on \n only: some prompt files hold U+2028 inside strings
+            return sum(1 for line in p.read_text(encoding="utf-8").split("\n") if line.strip())
+        data = json.loads(p.read_text(encoding="utf-8"))
+        return len(data) if isinstance(data, list) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _prompt_stats(r: Recipe) -> tuple[int | None, float, list[str]]:
+    total: int | None = 0
+    weighted, described = 0.0, []
+    for src in r.data.prompts:
+        if isinstance(src, MagpiePrompts):
+            n, avg = src.count, _ASSUMED["magpie_prompt_fraction"] * src.max_prompt_tokens
+            described.append(f"{n} magpie")
+        elif isinstance(src, FilePrompts):
+            found = _count_file_records(src.path)
+            n = min(x for x in (src.limit, found) if x is not None) if (src.limit or found) else None
+            avg = _ASSUMED["file_prompt_tokens"]
+            described.append(f"{n if n is not None else '?'} file:{src.path}")
+        else:
+            n, avg = src.limit, _ASSUMED["file_prompt_tokens"]
+            described.append(f"{n if n is not None else 'all'} hub:{src.name}[{src.split}]")
+        if n is None or total is None:
+            total = None
+            weighted += avg
+        else:
+            total += n
+            weighted += n * avg
+    if total:
+        avg_prompt = weighted / total
+    else:
+        avg_prompt = weighted / max(len(r.data.prompts), 1)
+    return total, avg_prompt, described
+
+
+# --------------------------------------------------------------------------------------------
+# the plan
+# --------------------------------------------------------------------------------------------
+
+def _placement(r: Recipe, stage: int, world: int) -> str:
+    want = r.target.placement
+    if want == "zero3" or want == "auto":
+        return "zero3" if stage == 3 and world > 1 else "replicate"
+    return want
+
+
+def make_plan(recipe: Recipe, *, zero_stage: int | None = None, arch: Architecture | None = None) -> Plan:
+    """The plan for ``recipe`` (no download). ``zero_stage`` overrides the launcher's stage for a
+    what-if comparison; ``arch`` overrides the target architecture lookup. Raises
+    :class:`RecipeError` when the recipe does not fit the target's shape."""
+    r = resolve(recipe)
+    try:
+        A = arch or resolve_architecture(r.target.name)
+    except PresetError as e:
+        raise RecipeError(recipe.source or r.name, [("target.name", str(e))]) from None
+    problems = architecture_problems(r, A)
+    if problems:
+        raise RecipeError(recipe.source or r.name, problems)
+    acc = read_accelerate_config(r.launcher.config)
+    device = "cpu" if r.target.device == "cpu" or acc.get("use_cpu") else ("mps" if r.target.device == "mps" else "cuda")
+    world, machines = int(r.launcher.num_processes), int(r.launcher.num_machines)
+    ds = read_deepspeed_config(r.launcher.deepspeed) if r.launcher.deepspeed else None
+    own_stage = int(ds.get("zero_optimization", {}).get("stage", 0)) if ds else 0
+    stage = own_stage if zero_stage is None else int(zero_stage)
+    if zero_stage is not None and zero_stage != own_stage:
+        ds = {"zero_optimization": {"stage": stage}} if stage > 0 else None  # plain stage, no offload
+    spec = speculator_size(r, A)
+    placement = _placement(r, stage, world)
+    warnings: list[str] = []
+
+    memory = _memory(r, A, spec, stage, world, placement, device, ds)
+    by_stage: dict[int, Memory] = {}
+    if world > 1:
+        for st in (0, 2, 3):
+            sds = ds if st == stage else ({"zero_optimization": {"stage": st}} if st else None)
+            by_stage[st] = _memory(r, A, spec, st, world, _placement(r, st, world), device, sds)
+    cap = r.launcher.device_memory_gb * GB if r.launcher.device_memory_gb else None
+    fits = None if cap is None else memory.total <= cap
+    if fits is False:
+        warnings.append(f"estimated {memory.total / GB:.1f} GB per device exceeds the {cap / GB:.0f} GB device")
+
+    # data
+    n_prompts, avg_prompt, described = _prompt_stats(r)
+    d = r.data
+    avg_resp = _ASSUMED["response_fraction"] * d.responses.max_new_tokens
+    seq = min(float(d.max_seq_len), avg_prompt + avg_resp)
+    if avg_prompt + avg_resp > d.max_seq_len:
+        warnings.append(f"prompt ~{avg_prompt:.0f} + response ~{avg_resp:.0f} tokens exceed max_seq_len "
+                        f"{d.max_seq_len}: sequences get truncated")
+    n_train = None if n_prompts is None else n_prompts - d.eval_prompts
+    if n_train is not None and n_train <= 0:
+        warnings.append(f"only {n_prompts} prompts for {d.eval_prompts} held out: nothing to train on")
+        n_train = 0
+    loss_per_seq = seq if d.loss_on_prompt else min(avg_resp, seq)
+    total_tokens = None if n_train is None else n_train * seq
+    loss_tokens = None if n_train is None else n_train * loss_per_seq
+    magpie_tokens = sum(s.count * _ASSUMED["magpie_prompt_fraction"] * s.max_prompt_tokens
+                        for s in d.prompts if isinstance(s, MagpiePrompts))
+    generated = None if n_prompts is None else magpie_tokens + n_prompts * avg_resp
+
+    # schedule: every process is a data-parallel replica
+    tr = r.training
+    gbatch = tr.batch_size * tr.grad_accum * world
+    per_epoch = None if not n_train else math.ceil(n_train / gbatch)
+    candidates = [tr.max_steps] if tr.max_steps else []
+    if tr.epochs is not None and n_train:
+        candidates.append(max(1, math.ceil(tr.epochs * n_train / gbatch)))
+    steps = min(candidates) if candidates else None
+    epochs = None if not (steps and n_train) else steps * gbatch / n_train
+    if steps is not None and tr.warmup_steps >= steps:
+        warnings.append(f"warmup_steps {tr.warmup_steps} >= {steps} steps: the learning rate never reaches its peak")
+    if steps is None:
+        warnings.append("steps unknown: the prompt count is not stated (hub source without limit); set max_steps "
+                        "or a limit")
+
+    # time, where measured
+    m = _MEASURED.get((A.name, device), {})
+    data_s = train_s = eval_s = None
+    gen_rate = m.get("generate_tok_s", {}).get(d.responses.dtype or r.target.dtype)
+    if gen_rate and generated is not None:
+        data_s = generated / gen_rate
+        if d.hidden_states == "offline" and m.get("capture_tok_s") and n_prompts:
+            data_s += n_prompts * seq / m["capture_tok_s"]
+    train_rate = m.get("train_tok_s", {}).get(r.method)
+    if train_rate and steps:
+        train_s = steps * gbatch * seq / train_rate
+    ev = r.evaluation
+    if m.get("decode_step_s"):
+        n_eval = sum(min(ev.limit, d.eval_prompts) if ps == BUILTIN_HELDOUT else ev.limit for ps in ev.prompt_sets)
+        # speculative decoding roughly breaks even on this CPU, so each decode costs ~ a plain one
+        eval_s = n_eval * len(ev.temperatures) * ev.max_new_tokens * m["decode_step_s"] * (2 if ev.baseline else 1)
+    budget = {"data": d.max_minutes and d.max_minutes * 60, "training": tr.max_minutes and tr.max_minutes * 60,
+              "evaluation": ev.max_minutes and ev.max_minutes * 60}
+    for stage_name, est in (("data", data_s), ("training", train_s), ("evaluation", eval_s)):
+        cap_s = budget[stage_name]
+        if est is not None and cap_s is not None and est > cap_s:
+            warnings.append(f"{stage_name} estimated {est / 60:.1f} min is cut at its {cap_s / 60:.0f} min budget")
+
+    return Plan(recipe=r, target=A, speculator=spec, device=device, world_size=world, num_machines=machines,
+                zero_stage=stage, placement=placement, target_params=A.param_count(),
+                target_weight_bytes=A.param_count() * _BYTES[r.target.dtype], memory=memory,
+                memory_by_stage=by_stage, device_memory=cap, fits=fits, prompts=n_prompts, prompt_sources=described,
+                train_prompts=n_train, eval_prompts=d.eval_prompts, prompt_tokens=avg_prompt, response_tokens=avg_resp,
+                seq_tokens=seq, total_tokens=total_tokens, loss_tokens=loss_tokens, generated_tokens=generated,
+                global_batch=gbatch, steps_per_epoch=per_epoch, steps=steps, epochs=epochs, data_s=data_s,
+                train_s=train_s, eval_s=eval_s, budget_s=budget, warnings=warnings)
+
+
+# --------------------------------------------------------------------------------------------
+# rendering
+# --------------------------------------------------------------------------------------------
+
+def _n(x: float | None) -> str:
+    if x is None:
+        return "?"
+    for unit, div in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.2f} {unit}"
+    return f"{x:.0f}"
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:8.2f} GB"
+
+
+def _min(s: float | None) -> str:
+    return "?" if s is None else f"{s / 60:.1f} min"
+
+
+def _stage_name(st: int) -> str:
+    return "no ZeRO" if st == 0 else f"ZeRO-{st}"
+
+
+def format_plan(plan: Plan) -> str:
+    """Human-readable plan (what ``specfoundry train <recipe> --dry-run`` prints)."""
+    r, A, m = plan.recipe, plan.target, plan.memory
+    ln = r.launcher
+    out = [f"plan for recipe {r.name} ({r.method}){': ' + r.description if r.description else ''}"]
+    out.append(f"  target      {A.name}: {_n(plan.target_params)} params ({A.num_layers} layers, hidden "
+               f"{A.hidden_size}, {A.num_attention_heads}/{A.num_key_value_heads} heads, vocab {A.vocab_size}); "
+               f"{r.target.dtype} weights {plan.target_weight_bytes / GB:.1f} GB")
+    if r.method != "draft":
+        out.append(f"  features    target hidden_states {r.target.feature_layers}")
+    out.append(f"  speculator  {plan.speculator.description}: {_n(plan.speculator.total)} params, "
+               f"{_n(plan.speculator.trainable)} trainable")
+    launch = ln.config + (f" + DeepSpeed {ln.deepspeed}" if ln.deepspeed else "")
+    out.append(f"  launcher    {launch}: {plan.world_size} process(es) on {plan.num_machines} machine(s), "
+               f"{plan.device}, {_stage_name(plan.zero_stage)}, target placement {plan.placement}, "
+               f"precision {r.training.precision}")
+    where = "host RAM per process" if plan.device == "cpu" else "memory per device"
+    out.append(f"{where} (estimate, {_stage_name(plan.zero_stage)}, {plan.world_size} process(es)):")
+    for label, v in (("frozen target weights", m.target_weights), ("trainable weights", m.trainable_weights),
+                     ("gradients", m.gradients), ("optimizer states (AdamW)", m.optimizer_states),
+                     ("activations", m.activations), ("ZeRO-3 gather buffers", m.gather_buffers),
+                     ("runtime overhead", m.overhead)):
+        if v or label in ("frozen target weights", "activations"):
+            out.append(f"  {label:<26}{_gb(v)}")
+    total = f"  {'total':<26}{_gb(m.total)}"
+    if plan.device_memory:
+        total += f"  of {plan.device_memory / GB:.0f} GB: {'fits' if plan.fits else 'DOES NOT FIT'}"
+    out.append(total)
+    if m.offloaded:
+        out.append(f"  {'offloaded to host':<26}{_gb(m.offloaded)}")
+    for note in m.notes:
+        out.append(f"  - {note}")
+    if plan.memory_by_stage:
+        out.append("  by ZeRO stage: " + " | ".join(f"{_stage_name(s)} {mm.total / GB:.1f} GB"
+                                                  for s, mm in sorted(plan.memory_by_stage.items())))
+    d = r.data
+    out.append("data:")
+    out.append(f"  prompts     {plan.prompts if plan.prompts is not None else '?'} "
+               f"({', '.join(plan.prompt_sources)}); {plan.eval_prompts} held out; "
+               f"{plan.train_prompts if plan.train_prompts is not None else '?'} train")
+    out.append(f"  tokens      ~{plan.prompt_tokens:.0f} prompt + ~{plan.response_tokens:.0f} response per sequence "
+               f"(max_seq_len {d.max_seq_len}) -> ~{_n(plan.total_tokens)} training tokens, ~{_n(plan.loss_tokens)} "
+               f"with loss; target writes ~{_n(plan.generated_tokens)} tokens; hidden states {d.hidden_states}")
+    tr = r.training
+    out.append("schedule:")
+    out.append(f"  global batch {plan.global_batch} = {tr.batch_size} x {tr.grad_accum} grad_accum x "
+               f"{plan.world_size} process(es); {plan.steps_per_epoch or '?'} steps/epoch; "
+               f"{plan.steps or '?'} steps"
+               + (f" (~{plan.epochs:.2f} epochs)" if plan.epochs else "")
+               + f"; lr {tr.learning_rate:g} {tr.scheduler}, warmup {tr.warmup_steps}")
+    if all(x is None for x in (plan.data_s, plan.train_s, plan.eval_s, *plan.budget_s.values())):
+        out.append("time: no measured throughput for this target and device, and no max_minutes budgets")
+    else:
+        out.append("time (estimate where measured; capped by max_minutes):")
+        total_est, total_cap, known = 0.0, 0.0, True
+        for name, est in (("data", plan.data_s), ("training", plan.train_s), ("evaluation", plan.eval_s)):
+            cap = plan.budget_s[name]
+            shown = est if cap is None or est is None else min(est, cap)
+            out.append(f"  {name:<11} {_min(shown) if shown is not None else 'no measured throughput'}"
+                       + (f" (budget {cap / 60:.0f} min)" if cap is not None else ""))
+            known &= shown is not None
+            total_est += shown or 0.0
+            total_cap += cap if cap is not None else float("inf")
+        if known:
+            out.append(f"  total       ~{total_est / 60:.1f} min")
+        if math.isfinite(total_cap):
+            out.append(f"  at most     {total_cap / 60:.0f} min of stage budgets (plus model loading)")
+    if plan.warnings:
+        out.append("warnings:")
+        out += [f"  - {w}" for w in plan.warnings]
+    return "\n".join(out)
