@@ -1,0 +1,196 @@
+"""One training run end to end (what ``accelerate launch -m specfoundry.train.run`` executes):
+resolve the recipe, build the data, train the method, save the speculator, measure tau.
+
+Run directory ``runs/<recipe>/``: ``recipe.resolved.yaml``, ``checkpoints/``, ``speculator/``
+(what ``load_drafter(path)`` loads), ``train_summary.json`` and the W&B run (``wandb/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+
+def make_accelerator(recipe):
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    from .recipe import deepspeed_config_for
+
+    kwargs = {"gradient_accumulation_steps": recipe.training.grad_accum}
+    if recipe.tracking.wandb_mode != "disabled":
+        kwargs["log_with"] = "wandb"
+    if not torch.cuda.is_available():
+        # without CUDA, accelerate picks no process-group backend for DeepSpeed/DDP: use gloo
+        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+    ds = deepspeed_config_for(recipe)
+    if ds is not None:
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
+    elif recipe.training.precision == "bf16" and torch.cuda.is_available():
+        kwargs["mixed_precision"] = "bf16"
+    return Accelerator(**kwargs)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def draft_vocabulary(dataset, size: int, vocab_size: int) -> list[int]:
+    """The ``size`` most frequent target tokens of the training data (EAGLE-3's reduced vocab);
+    ties and unused slots filled by token id so the result is deterministic."""
+    counts: Counter = Counter()
+    for ex in dataset:
+        counts.update(int(t) for t in ex["input_ids"])
+    top = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]]
+    rest = (t for t in range(vocab_size) if t not in set(top))
+    return sorted(top + [next(rest) for _ in range(size - len(top))])
+
+
+def build_method(recipe, target, train_ds):
+    """(speculator module to save, training method module)."""
+    from specfoundry.runtime.speculators import EagleHead, Eagle3Head, MedusaHeads
+
+    from .methods import DraftKDMethod, Eagle1Method, Eagle3Method, MedusaMethod
+
+    spec, tr = recipe.speculator, recipe.training
+    layers = recipe.target.feature_layers
+    if recipe.method == "eagle3":
+        head = Eagle3Head.from_target(target, seed=tr.seed, draft_vocab_size=spec.draft_vocab_size,
+                                      **({"feature_layers": layers} if layers else {}))
+        head.set_draft_vocab(draft_vocabulary(train_ds, spec.draft_vocab_size, target.vocab_size))
+        with torch.no_grad():  # start the reduced LM head from the target's rows
+            head.lm_head.weight.copy_(target.lm_head.weight[head.d2t].to(head.lm_head.weight.dtype))
+        head = head.float()
+        return head, Eagle3Method(head, target.lm_head, ttt_steps=tr.ttt_steps, position_decay=tr.position_weight_decay)
+    if recipe.method == "eagle":
+        head = EagleHead.from_target(target, seed=tr.seed).float()
+        return head, Eagle1Method(head, ce_weight=spec.token_loss_weight / max(spec.feature_loss_weight, 1e-9))
+    if recipe.method == "medusa1":
+        head = MedusaHeads.from_target(target, seed=tr.seed, num_heads=spec.num_heads, num_layers=spec.num_layers).float()
+        return head, MedusaMethod(head, target.lm_head, position_decay=tr.position_weight_decay)
+    if recipe.method == "draft":
+        from specfoundry.runtime.drafters.draft import layer_subset_model
+
+        if spec.layers is None:
+            raise NotImplementedError("draft recipes with `config`/`init_from` are not implemented yet; use `layers`")
+        lm = layer_subset_model(target, list(spec.layers))
+        lm.model.float().train()
+        for p in lm.model.parameters():
+            p.requires_grad_(True)
+        return lm, DraftKDMethod(lm.model, target.lm_head, kd_loss=spec.kd_loss, temperature=spec.temperature)
+    raise NotImplementedError(f"method {recipe.method!r} is not implemented yet (medusa2 joint LoRA training is pending)")
+
+
+def save_result(recipe, target, module, state_dict, run_dir: Path, training_meta: dict) -> Path:
+    from specfoundry.runtime.speculators import save_speculator
+
+    out = run_dir / "speculator"
+    if recipe.method == "draft":
+        module.model.load_state_dict({k.removeprefix("draft."): v for k, v in state_dict.items() if k.startswith("draft.")})
+        module.model.eval().save_pretrained(out)
+        if target.tokenizer is not None:
+            target.tokenizer.save_pretrained(out)
+        (out / "specfoundry_target.json").write_text(json.dumps({"target": target.identity(), "speculator_type": "draft"}))
+        return out
+    prefix = "heads." if recipe.method.startswith("medusa") else "head."
+    module.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
+    return save_speculator(module.to(target.dtype).eval(), out, target, training=training_meta)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from accelerate.utils import set_seed
+
+    from specfoundry.runtime import load_drafter, load_target
+
+    from .data import build_dataset
+    from .evaluate import BUILTIN_HELDOUT, evaluate_speculator
+    from .features import HiddenStateSource
+    from .loop import LoopConfig, train_loop
+    from .prompts import read_prompt_file
+    from .recipe import dump_resolved, load_recipe, prompt_source_dicts, resolve
+    from .tracking import init_tracking
+
+    ap = argparse.ArgumentParser(prog="specfoundry.train.run")
+    ap.add_argument("recipe")
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = ap.parse_args(argv)
+
+    t0 = time.perf_counter()
+    recipe = resolve(load_recipe(args.recipe, overrides=args.set or None))
+    run_dir = Path(recipe.output_dir)
+    acc = make_accelerator(recipe)
+    set_seed(recipe.training.seed)
+    if acc.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_resolved(recipe, run_dir)
+    mode = init_tracking(acc, recipe.tracking.wandb_project, recipe.tracking.run_name, recipe.to_dict(), run_dir,
+                         recipe.tracking.wandb_mode) if recipe.tracking.wandb_mode != "disabled" else "disabled"
+
+    target = load_target(recipe.target.name, dtype=_dtype(recipe.target.dtype))
+    d = recipe.data
+    t_data = time.perf_counter()
+    with acc.main_process_first():  # the main process generates and caches; the others reuse
+        train_ds, heldout = build_dataset(prompt_source_dicts(recipe), target, responses_cfg=vars(d.responses) | {},
+                                          max_seq_len=d.max_seq_len, eval_prompts=d.eval_prompts,
+                                          loss_on_prompt=d.loss_on_prompt, cache_dir=d.cache_dir,
+                                          seed=recipe.training.seed, max_minutes=d.max_minutes)
+    data_seconds = time.perf_counter() - t_data
+
+    module, method = build_method(recipe, target, train_ds)
+    layers = tuple(getattr(module, "feature_layers", ()) or ()) or (target.num_layers,)
+    source = HiddenStateSource(d.hidden_states, target, layers, cache_dir=Path(d.cache_dir) / "features")
+    with acc.main_process_first():
+        source.prepare(train_ds)
+    shard = train_ds.shard(acc.num_processes, acc.process_index) if acc.num_processes > 1 else train_ds
+    tr = recipe.training
+    per_epoch = max(1, math.ceil(len(shard) / tr.batch_size))
+    steps = tr.max_steps or math.ceil(per_epoch * (tr.epochs or 1) / tr.grad_accum)
+    if tr.max_steps and tr.epochs:
+        steps = min(steps, math.ceil(per_epoch * tr.epochs / tr.grad_accum))
+    cfg = LoopConfig(max_steps=steps, max_minutes=tr.max_minutes, learning_rate=tr.learning_rate,
+                     weight_decay=tr.weight_decay, warmup_steps=tr.warmup_steps, scheduler=tr.scheduler,
+                     grad_clip=tr.grad_clip, log_every=tr.log_every, checkpoint_every=tr.checkpoint_every,
+                     micro_batch_size=tr.batch_size)
+
+    def batches(epoch: int, start: int):
+        return source.batches(shard, tr.batch_size, seed=tr.seed, epoch=epoch, start_step=start)
+
+    acc.print(f"[train] {len(train_ds)} sequences, {steps} steps of {tr.batch_size} x {acc.num_processes} process(es)")
+    summary = train_loop(acc, method, batches, cfg, run_dir, resume=args.resume)
+    state_dict = summary.pop("state_dict")
+    result = {"recipe": recipe.name, "command": " ".join(["specfoundry", "train", *sys.argv[1:]]),
+              "sequences": len(train_ds), "tokens_trained": summary["tokens"], "steps": summary["global_step"],
+              "train_seconds": summary["seconds"], "data_seconds": data_seconds, "wandb_mode": mode,
+              "final_metrics": summary["history"][-1] if summary["history"] else {}}
+    if acc.is_main_process:
+        spec_dir = save_result(recipe, target, module, state_dict, run_dir,
+                               {"recipe": recipe.name, "steps": summary["global_step"], "tokens": summary["tokens"]})
+        ev = recipe.evaluation
+        sets = {}
+        for name in ev.prompt_sets:
+            sets[name] = heldout[: ev.limit] if name == BUILTIN_HELDOUT else read_prompt_file(name, ev.limit)
+        drafter = load_drafter(str(spec_dir), target=target)
+        result["measured"] = evaluate_speculator(target, drafter, sets, temperatures=ev.temperatures,
+                                                 max_new_tokens=ev.max_new_tokens, depth=ev.depth,
+                                                 baseline=ev.baseline, max_minutes=ev.max_minutes)
+        result["predicted_tau"] = result["final_metrics"].get("predicted_tau")
+        result["wall_seconds"] = time.perf_counter() - t0
+        (run_dir / "train_summary.json").write_text(json.dumps(result, indent=2, default=str))
+        acc.log({f"measured/{s}/{t}/tau": v["tau"] for s, per in result["measured"].items() for t, v in per.items()},
+                step=summary["global_step"])
+        print(json.dumps({k: result[k] for k in ("recipe", "tokens_trained", "wall_seconds", "predicted_tau", "measured")},
+                         indent=2, default=str))
+    acc.end_training()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
