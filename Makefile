@@ -8,7 +8,7 @@ TARGET ?= smollm2-135m
 DRAFTER ?= ngram
 PYTEST_ARGS ?=
 
-.PHONY: venv train demo test test-slow test-gpu results clean
+.PHONY: venv train demo test test-slow test-gpu results clean export
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,10 @@ test-slow: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -m "gpu" $(PYTEST_ARGS)
 
+RUN ?=
+export: $(STAMP)
+	$(BIN)/specfoundry export $(RUN)
+
 # Re-measure the figures in docs/results.md (ngram drafter on SmolLM2-135M).
 results: $(STAMP)
 	$(BIN)/python tools/measure_runtime.py --prompts 12 --max-new-tokens 128
@@ -51,3 +55,12 @@ clean:
 .PHONY: gpu-check
 gpu-check: $(STAMP)
 	$(BIN)/python -m specfoundry.export.trt.gpu_check --out runs/gpu-check
+
+# Serve smollm2-135m with an exported EAGLE-3 head in vLLM (CPU build, own venv .venv-vllm,
+# built on first use) and compare its acceptance length with our runtime's tau; checks vLLM's
+# greedy output with and without the head match. CHECK_VLLM_ARGS e.g. "--recipe eagle3-smollm2-135m --k 5".
+# Writes runs/check_vllm/result.json.
+CHECK_VLLM_ARGS ?=
+.PHONY: check-vllm
+check-vllm: $(STAMP)
+	$(BIN)/python tools/check_vllm.py $(CHECK_VLLM_ARGS)
