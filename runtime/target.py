@@ -94,7 +94,30 @@ class KVCache:
         self.length = min(self.length, length)
 
 
-class TargetModel:
+class ChatTokenizerMixin:
+    """Prompt encoding and decoding from ``self.tokenizer`` (None for tiny test models); shared
+    by every object that stands in for a target (the PyTorch adapter, the ONNX Runtime one)."""
+
+    tokenizer = None
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this target has no tokenizer; pass prompt token ids instead")
+        if getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return list(ids)
+        text = "\n".join(m["content"] for m in messages)
+        return self.tokenizer(text)["input_ids"]
+
+    def decode(self, ids) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(int(i)) for i in ids)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+class TargetModel(ChatTokenizerMixin):
     """Wraps a HF causal LM (``model``) and its tokenizer (may be None for tiny test models)."""
 
     def __init__(self, model, tokenizer=None, name: str | None = None):
@@ -175,23 +198,6 @@ class TargetModel:
             "num_layers": self.num_layers,
             "fingerprint": self.fingerprint(),
         }
-
-    # -- chat ----------------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this target has no tokenizer; pass prompt token ids instead")
-        if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return list(ids)
-        text = "\n".join(m["content"] for m in messages)
-        return self.tokenizer(text)["input_ids"]
-
-    def decode(self, ids) -> str:
-        if self.tokenizer is None:
-            return " ".join(str(int(i)) for i in ids)
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     # -- the forward ---------------------------------------------------------------------
     def new_cache(self) -> KVCache:

@@ -25,7 +25,7 @@ import torch
 from specfoundry.runtime.drafters.eagle import EagleDrafter
 from specfoundry.runtime.drafters.medusa import MedusaDrafter
 from specfoundry.runtime.speculators import MedusaHeads
-from specfoundry.runtime.target import KVCache, TargetOutput
+from specfoundry.runtime.target import ChatTokenizerMixin, KVCache, TargetOutput
 
 from .graphs import fuse_path, read_metadata
 from .tree_mask import pack_tree_mask
@@ -80,7 +80,7 @@ def _positions(position_ids, past: int, B: int, n: int) -> torch.Tensor:
     return position_ids.to("cpu", torch.long).expand(B, n)
 
 
-class OrtTarget:
+class OrtTarget(ChatTokenizerMixin):
     """An exported target graph run by onnxruntime, with :class:`TargetModel`'s forward contract.
 
     ``tokenizer``/``eos_token_ids``/``name`` are not in the graph: pass them, or use
@@ -139,19 +139,6 @@ class OrtTarget:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
-
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this target has no tokenizer; pass prompt token ids instead")
-        if not getattr(self.tokenizer, "chat_template", None):  # as TargetModel.encode_chat
-            return self.tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-    def decode(self, ids) -> str:
-        if self.tokenizer is None:
-            return " ".join(str(int(i)) for i in ids)
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def new_cache(self) -> KVCache:
         return KVCache()
