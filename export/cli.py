@@ -1,6 +1,6 @@
 """``specfoundry export``: turn a run into every deployable form and report what was written.
 
-    specfoundry export [RUN] [--formats vllm,sglang,trtllm,hf,onnx,ptx] [--engine trt] [--out DIR]
+    specfoundry export [RUN] [--formats vllm,sglang,trtllm,hf_draft,onnx,ptx] [--engine trt] [--out DIR]
     specfoundry export --check DIR --target TARGET
 
 Writes ``<run>/export/`` and ``<run>/export/export_report.json`` (what was written, parity
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-ALL_FORMATS = ("vllm", "sglang", "trtllm", "hf", "onnx", "ptx")
+ALL_FORMATS = ("vllm", "sglang", "trtllm", "hf_draft", "onnx", "ptx")
 
 
 def register(subparsers) -> None:
@@ -80,8 +80,8 @@ def run_export(args) -> int:
             from .trt.aot import write_ptx
 
             entry = write_ptx(out / "trt")
-        if isinstance(entry, dict) and entry.get("skipped"):
-            report["skipped"][fmt] = entry["skipped"]
+        if isinstance(entry, dict) and entry.get("status") == "skipped":
+            report["skipped"][fmt] = entry.get("reason", "skipped")
         else:
             report["written"][fmt] = entry
         print(f"[export] {fmt} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
