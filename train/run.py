@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -27,7 +28,7 @@ def make_accelerator(recipe):
     kwargs = {"gradient_accumulation_steps": recipe.training.grad_accum}
     if recipe.tracking.wandb_mode != "disabled":
         kwargs["log_with"] = "wandb"
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # without CUDA, accelerate picks no process-group backend for DeepSpeed/DDP: use gloo
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
     ds = deepspeed_config_for(recipe)
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         train_ds, heldout = build_dataset(prompt_source_dicts(recipe), target, responses_cfg=vars(d.responses) | {},
                                           max_seq_len=d.max_seq_len, eval_prompts=d.eval_prompts,
                                           loss_on_prompt=d.loss_on_prompt, cache_dir=d.cache_dir,
-                                          seed=recipe.training.seed, max_minutes=d.max_minutes)
+                                          seed=recipe.training.seed)
     data_seconds = time.perf_counter() - t_data
 
     module, method = build_method(recipe, target, train_ds)
