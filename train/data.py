@@ -1,0 +1,598 @@
+"""Training data for speculators: self-distilled chat examples, cached and resumable.
+
+Scope:
+
+- :func:`generate_batched`: batched generation with a frozen HF causal LM (left padding, KV
+  cache, finished rows dropped from the batch, greedy or temperature/top-p sampling). Both the
+  Magpie prompt writer (:mod:`.prompts`) and response self-distillation use it.
+- :class:`ChatFormat`: the target's chat template as token ids — the templated prompt, the
+  user-turn prefix Magpie feeds the model, and the tokens that end a turn. Targets without a
+  tokenizer (tiny test models) get a fixed toy template over raw ids.
+- :func:`self_distill`: the target answers every prompt; results are written chunk by chunk as
+  ``datasets`` shards under a cache directory whose names hash the target, the generation
+  config and the chunk's prompts, so a killed run resumes where it stopped and a changed prompt
+  list recomputes only the chunks that changed.
+- :func:`build_dataset`: prompt sources -> (tokenized training ``datasets.Dataset``, held-out
+  eval prompts). Columns: ``id`` (int), ``prompt`` (str), ``response`` (str), ``input_ids``
+  (list[int]), ``loss_mask`` (list[bool]), ``prompt_len`` (int).
+
+Conventions: ``loss_mask[i]`` is True when token ``i`` is a training label (it is predicted
+from positions ``< i``); by default only the assistant's tokens, including the end-of-turn
+token the target emitted. Hidden states for these examples come from :mod:`.features`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+_SENTINEL = "\u2063SPECFOUNDRY\u2063"  # invisible separator: cannot clash with real text
+
+
+def _log(msg: str) -> None:
+    print(f"[specfoundry.train.data] {msg}", file=sys.stderr, flush=True)
+
+
+def stable_hash(*parts) -> str:
+    """sha256 over the JSON of ``parts`` (sorted keys), hex."""
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(json.dumps(p, sort_keys=True, default=str, ensure_ascii=False).encode())
+        h.update(b"\x00")
+    return h.hexdigest()
+
+
+def model_fingerprint(target) -> str:
+    """Identity of a target's *weights* (not just its embedding): the runtime fingerprint plus a
+    strided sample of every parameter cast to bf16, so an fp32 and a bf16 copy of one model agree
+    while a fine-tuned or perturbed copy with the same embedding does not. Cached on the target."""
+    fp = getattr(target, "_specfoundry_weights_fp", None)
+    if fp is not None:
+        return fp
+    h = hashlib.sha256(target.fingerprint().encode())
+    h.update(target.config.to_json_string(use_diff=False).encode() if hasattr(target.config, "to_json_string") else b"")
+    with torch.no_grad():
+        for name, p in target.model.named_parameters():
+            flat = p.detach().reshape(-1)
+            step = max(1, flat.numel() // 256)
+            sample = flat[::step][:256].to("cpu", torch.bfloat16).contiguous()
+            h.update(name.encode())
+            h.update(str(tuple(p.shape)).encode())
+            h.update(sample.view(torch.int16).numpy().tobytes())
+    fp = h.hexdigest()[:16]
+    target._specfoundry_weights_fp = fp
+    return fp
+
+
+def resolve_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+             "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
+    if str(dtype) not in names:
+        raise ValueError(f"unknown dtype {dtype!r} (use one of {sorted(names)})")
+    return names[str(dtype)]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def model_in_dtype(target, dtype) -> torch.nn.Module:
+    """The target's HF model in ``dtype``: the model itself when it already is, else a cast copy
+    (casting in place and back would lose the fp32 weights)."""
+    dtype = resolve_dtype(dtype)
+    if dtype is None or dtype == target.dtype:
+        return target.model
+    cache = getattr(target, "_specfoundry_casts", None)
+    if cache is None:
+        cache = target._specfoundry_casts = {}
+    if dtype not in cache:
+        cache.clear()  # keep at most one extra copy alive
+        cache[dtype] = copy.deepcopy(target.model).to(dtype).eval()
+    return cache[dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# batched generation
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GenStats:
+    """Token counts and wall time of generation calls (for throughput reports)."""
+
+    prompts: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: "GenStats") -> None:
+        self.prompts += other.prompts
+        self.prompt_tokens += other.prompt_tokens
+        self.new_tokens += other.new_tokens
+        self.seconds += other.seconds
+
+    @property
+    def new_tok_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> str:
+        return (f"{self.prompts} prompts, {self.prompt_tokens} prompt + {self.new_tokens} new tokens in "
+                f"{self.seconds:.1f}s: {self.new_tok_per_s:.0f} new tok/s, "
+                f"{(self.prompt_tokens + self.new_tokens) / max(self.seconds, 1e-9):.0f} total tok/s")
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+            generator: torch.Generator | None) -> torch.Tensor:
+    """Next tokens ``[B]`` from ``logits`` ``[B, V]`` (float32); temperature 0 = greedy."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p >= 1.0:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    # Nucleus sampling over the top 1024 candidates instead of a full-vocabulary sort (the sort
+    # was ~20% of Magpie's time on CPU). Exact: when those candidates hold >= top_p of the mass
+    # the nucleus lies inside them; rows where they do not fall back to the full sort.
+    k = min(1024, probs.shape[-1])
+    sp, si = probs.topk(k, dim=-1)
+    if k < probs.shape[-1] and bool((sp.sum(-1) < top_p).any()):
+        sp, si = probs.sort(dim=-1, descending=True)
+    # drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token)
+    sp = sp.masked_fill((sp.cumsum(-1) - sp) >= top_p, 0.0)
+    pick = torch.multinomial(sp, 1, generator=generator)
+    return si.gather(-1, pick).squeeze(-1)
+
+
+@torch.no_grad()
+def _generate_one_batch(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float,
+                        top_k: int, stop_ids: Sequence[int], min_new_tokens: int, pad_id: int,
+                        generator: torch.Generator | None) -> tuple[list[list[int]], list[bool]]:
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    B = len(prompts)
+    S = max(len(p) for p in prompts)
+    ids = torch.full((B, S), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, S, dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding: every row's last prompt token sits at column S-1
+        ids[i, S - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, S - len(p):] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    stop = torch.tensor(sorted(set(int(s) for s in stop_ids)), dtype=torch.long, device=dev)
+    cache = DynamicCache(config=model.config)
+    # logits_to_keep=1: the LM head over the whole prompt would cost as much as several layers
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+    next_pos = pos[:, -1] + 1
+    active = torch.arange(B, device=dev)
+    gen: list[list[int]] = [[] for _ in range(B)]
+    finished = [False] * B
+    for step in range(max_new_tokens):
+        logits = out.logits[:, -1].float()
+        if step < min_new_tokens and stop.numel():
+            logits[:, stop] = float("-inf")
+        tok = _sample(logits, temperature, top_p, top_k, generator)
+        tok_list = tok.tolist()
+        for row, t in zip(active.tolist(), tok_list):
+            gen[row].append(t)
+        done = torch.isin(tok, stop) if stop.numel() else torch.zeros_like(tok, dtype=torch.bool)
+        for row, d in zip(active.tolist(), done.tolist()):
+            if d:
+                finished[row] = True
+        if step == max_new_tokens - 1 or bool(done.all()):
+            break
+        if bool(done.any()):
+            # drop finished rows: later steps only pay for sequences still generating
+            keep = (~done).nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            mask, tok, next_pos, active = mask[keep], tok[keep], next_pos[keep], active[keep]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None], cache=cache,
+                    use_cache=True)
+        next_pos = next_pos + 1
+    return gen, finished
+
+
+def generate_batched(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                     top_p: float = 1.0, top_k: int = 0, stop_ids: Sequence[int] = (), min_new_tokens: int = 0,
+                     batch_size: int = 32, pad_id: int = 0, seed: int = 0, progress: bool | str = False,
+                     stats: GenStats | None = None) -> tuple[list[list[int]], list[bool]]:
+    """Continue each token-id prompt; returns ``(new_ids, finished)`` in input order.
+
+    ``new_ids[i]`` includes the stop token when one was produced (``finished[i]`` True). Prompts
+    are sorted by length before batching so left padding wastes little; sampling uses one
+    ``torch.Generator`` seeded with ``seed``, so a call is reproducible for the same inputs.
+    ``stats`` (optional) accumulates token counts and time.
+    """
+    from tqdm.auto import tqdm
+
+    prompts = [list(map(int, p)) for p in prompts]
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt: every prompt needs at least one token")
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(int(seed)) if temperature > 0 else None
+    results: list[list[int] | None] = [None] * len(prompts)
+    fin: list[bool] = [False] * len(prompts)
+    local = GenStats()
+    bar = tqdm(total=len(prompts), desc=progress if isinstance(progress, str) else "generate", unit="seq",
+               disable=not progress, leave=False)
+    t0 = time.perf_counter()
+    for b in range(0, len(order), batch_size):
+        idx = order[b:b + batch_size]
+        gen, done = _generate_one_batch(model, [prompts[i] for i in idx], max_new_tokens=max_new_tokens,
+                                        temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stop_ids,
+                                        min_new_tokens=min_new_tokens, pad_id=pad_id, generator=g)
+        for i, ids, d in zip(idx, gen, done):
+            results[i], fin[i] = ids, d
+            local.prompt_tokens += len(prompts[i])
+            local.new_tokens += len(ids)
+        local.prompts += len(idx)
+        bar.update(len(idx))
+        bar.set_postfix_str(f"{local.new_tokens / (time.perf_counter() - t0):.0f} new tok/s")
+    bar.close()
+    local.seconds = time.perf_counter() - t0
+    if stats is not None:
+        stats.add(local)
+    return results, fin  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------
+# chat template as token ids
+# ---------------------------------------------------------------------------------------------
+
+
+class ChatFormat:
+    """A target's chat template as token ids.
+
+    With a tokenizer that has a chat template, the user-turn prefix and the end-of-turn token are
+    found by rendering a sentinel message and cutting around it, so any template works. Without a
+    tokenizer (tiny random test models) a toy template over raw ids is used: text is
+    whitespace-separated integer ids (``decode`` writes that form, so generated prompts round-trip
+    exactly), other text is mapped byte-wise into the vocabulary; ``USER``/``END``/``ASSISTANT``
+    are ids 1/2/3.
+    """
+
+    TOY_USER, TOY_END, TOY_ASSISTANT, TOY_FIRST_FREE = 1, 2, 3, 4
+
+    def __init__(self, target):
+        self.target = target
+        self.tokenizer = target.tokenizer
+        self.has_template = bool(self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None))
+        if self.tokenizer is not None and not self.has_template:
+            raise ValueError("the target's tokenizer has no chat template; self-distillation needs one")
+        self.vocab_size = target.vocab_size
+        if self.has_template:
+            self._end_of_user = self._token_after_sentinel([{"role": "user", "content": _SENTINEL}])
+            self._end_of_assistant = self._token_after_sentinel(
+                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}])
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _render(self, messages, add_generation_prompt=False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _token_after_sentinel(self, messages) -> int | None:
+        text = self._render(messages)
+        after = text.split(_SENTINEL, 1)[1]
+        ids = self._encode_plain(after)
+        return ids[0] if ids else None
+
+    def _toy_encode(self, text: str) -> list[int]:
+        parts = text.split()
+        if parts and all(p.isdigit() and int(p) < self.vocab_size for p in parts):
+            return [int(p) for p in parts]
+        span = self.vocab_size - self.TOY_FIRST_FREE
+        return [self.TOY_FIRST_FREE + b % span for b in text.encode()]
+
+    # -- public ------------------------------------------------------------------------------
+    @property
+    def pad_id(self) -> int:
+        if self.tokenizer is not None and self.tokenizer.pad_token_id is not None:
+            return int(self.tokenizer.pad_token_id)
+        eos = sorted(self.target.eos_token_ids)
+        return int(eos[0]) if eos else 0
+
+    def prompt_ids(self, prompt: str, system: str | None = None) -> list[int]:
+        """The templated single-user-turn conversation, ending with the assistant header."""
+        if not self.has_template:
+            return [self.TOY_USER, *self._toy_encode(prompt), self.TOY_END, self.TOY_ASSISTANT]
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return self._encode_plain(self._render(msgs, add_generation_prompt=True))
+
+    def user_prefix_ids(self, system: str | None = None) -> list[int]:
+        """Everything before the user's text in a templated conversation (the Magpie prefix).
+        ``system=None`` keeps the template's default system message, if it has one."""
+        if not self.has_template:
+            pre = [self.TOY_USER]
+            if system:
+                pre = [self.TOY_USER, *self._toy_encode(system), self.TOY_END, self.TOY_USER]
+            return pre
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _SENTINEL}]
+        return self._encode_plain(self._render(msgs).split(_SENTINEL, 1)[0])
+
+    @property
+    def user_stop_ids(self) -> list[int]:
+        """Tokens that end a user turn (Magpie stops there)."""
+        if not self.has_template:
+            return sorted({self.TOY_END} | set(self.target.eos_token_ids))
+        ids = set(self.target.eos_token_ids)
+        if self._end_of_user is not None:
+            ids.add(self._end_of_user)
+        return sorted(ids)
+
+    @property
+    def assistant_stop_ids(self) -> list[int]:
+        """Tokens that end an assistant turn (self-distillation stops there)."""
+        if not self.has_template:
+            return sorted({self.TOY_END} | set(self.target.eos_token_ids))
+        ids = set(self.target.eos_token_ids)
+        if self._end_of_assistant is not None:
+            ids.add(self._end_of_assistant)
+        return sorted(ids)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Plain text -> ids, no special tokens (for continuing a templated prefix)."""
+        return self._encode_plain(text) if self.has_template else self._toy_encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if not self.has_template:
+            return " ".join(str(int(i)) for i in ids)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def template_id(self) -> str:
+        """Hash of what determines the token ids (for cache keys)."""
+        if not self.has_template:
+            return "toy-v1"
+        return stable_hash(self.tokenizer.chat_template, len(self.tokenizer), self.prompt_ids("x"))[:16]
+
+
+def save_dataset_atomic(ds, out: Path) -> None:
+    """``ds.save_to_disk`` into a temporary sibling, then rename: ``out`` exists only complete.
+    (``datasets``' own per-save progress bars are muted: one chunk is not worth a bar.)"""
+    import datasets
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        ds.save_to_disk(str(tmp))
+        if out.exists():  # a stale directory left by a crash
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# chunked, content-addressed caching with `datasets`
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ChunkReport:
+    computed: int = 0
+    reused: int = 0
+    stats: GenStats = field(default_factory=GenStats)
+
+
+def cached_chunks(root: Path | None, items: list, chunk_size: int, key_base: dict,
+                  compute: Callable[[list, int], dict[str, list]], desc: str = "chunks",
+                  report: ChunkReport | None = None):
+    """Apply ``compute(chunk, seed) -> columns`` to ``items`` chunk by chunk, saving each chunk as a
+    ``datasets`` shard in ``root/chunk-<hash>`` (hash of ``key_base`` + the chunk's items). Done
+    chunks are loaded instead of recomputed, so an interrupted run resumes; a shard appears by an
+    atomic rename only once it is complete. ``root=None`` computes without caching. Returns the
+    concatenated ``datasets.Dataset`` (None for no items)."""
+    from datasets import Dataset, concatenate_datasets, load_from_disk
+    from tqdm.auto import tqdm
+
+    report = report if report is not None else ChunkReport()
+    parts = []
+    chunks = [items[i:i + chunk_size] for i in range(0, len(items), chunk_size)]
+    if root is not None:
+        root.mkdir(parents=True, exist_ok=True)
+    for chunk in tqdm(chunks, desc=desc, unit="chunk", disable=len(chunks) <= 1):
+        key = stable_hash(key_base, chunk)
+        if root is None:  # no cache: compute in memory
+            parts.append(Dataset.from_dict(compute(chunk, int(key[:8], 16))))
+            report.computed += 1
+            continue
+        d = root / f"chunk-{key[:20]}"
+        if not (d / "dataset_info.json").exists():
+            save_dataset_atomic(Dataset.from_dict(compute(chunk, int(key[:8], 16))), d)
+            report.computed += 1
+        else:
+            report.reused += 1
+        parts.append(load_from_disk(str(d)))
+    if not parts:
+        return None
+    return concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# self-distillation
+# ---------------------------------------------------------------------------------------------
+
+DEFAULT_RESPONSES = {"max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "batch_size": 32,
+                     "dtype": None, "chunk_size": 256, "system": None}
+
+
+def _responses_key_base(target, cfg: dict, seed: int) -> dict:
+    gen_dtype = resolve_dtype(cfg["dtype"]) or target.dtype
+    # batch_size is part of the key: batch composition changes padding and hence low-order bits,
+    # and a resumed run must reproduce the interrupted one exactly
+    return {"kind": "responses-v1", "target": model_fingerprint(target), "template": ChatFormat(target).template_id(),
+            "dtype": dtype_name(gen_dtype), "seed": seed,
+            **{k: cfg[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "batch_size", "system")}}
+
+
+def self_distill(prompts: Sequence[str], target, *, responses_cfg: dict | None = None, cache_dir: str | Path,
+                 seed: int = 0, report: ChunkReport | None = None):
+    """The target's own answers to ``prompts``, as a ``datasets.Dataset`` with columns ``prompt``,
+    ``prompt_ids``, ``response_ids``, ``response``, ``finished``; cached and resumable (see
+    :func:`cached_chunks`). ``responses_cfg``: ``max_new_tokens``, ``temperature`` (0 = greedy),
+    ``top_p``, ``top_k``, ``batch_size``, ``dtype`` (generation dtype; None = the target's),
+    ``chunk_size`` (prompts per cached shard), ``system`` (system message; None = template
+    default)."""
+    cfg = {**DEFAULT_RESPONSES, **(responses_cfg or {})}
+    unknown = set(cfg) - set(DEFAULT_RESPONSES)
+    if unknown:
+        raise ValueError(f"unknown responses_cfg keys {sorted(unknown)}; known: {sorted(DEFAULT_RESPONSES)}")
+    gen_dtype = resolve_dtype(cfg["dtype"]) or target.dtype
+    chat = ChatFormat(target)
+    model = model_in_dtype(target, gen_dtype)
+    stop = chat.assistant_stop_ids
+    key_base = _responses_key_base(target, cfg, seed)
+    report = report if report is not None else ChunkReport()
+
+    def compute(chunk: list[str], chunk_seed: int) -> dict[str, list]:
+        pids = [chat.prompt_ids(p, cfg["system"]) for p in chunk]
+        new, fin = generate_batched(model, pids, max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"],
+                                    top_p=cfg["top_p"], top_k=cfg["top_k"], stop_ids=stop,
+                                    batch_size=cfg["batch_size"], pad_id=chat.pad_id, seed=chunk_seed,
+                                    progress="responses", stats=report.stats)
+        return {"prompt": list(chunk), "prompt_ids": pids, "response_ids": new,
+                "response": [chat.decode(r) for r in new], "finished": fin}
+
+    ds = cached_chunks(Path(cache_dir) / "responses" / stable_hash(key_base)[:16], list(prompts), cfg["chunk_size"],
+                       key_base, compute, desc="self-distill", report=report)
+    if report.stats.seconds:
+        _log(f"self-distillation ({dtype_name(gen_dtype)}, batch {cfg['batch_size']}): {report.stats.summary()}")
+    return ds
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenized training examples
+# ---------------------------------------------------------------------------------------------
+
+
+def TRAIN_FEATURES():
+    """Column types of the training dataset (explicit, so an empty dataset is typed too)."""
+    from datasets import Features, List, Value
+
+    return Features({"id": Value("int64"), "prompt": Value("string"), "response": Value("string"),
+                     "input_ids": List(Value("int32")), "loss_mask": List(Value("bool")),
+                     "prompt_len": Value("int32")})
+
+
+def make_example(prompt_ids: Sequence[int], response_ids: Sequence[int], *, max_seq_len: int,
+                 loss_on_prompt: bool = False) -> dict | None:
+    """``input_ids`` = prompt + response truncated to ``max_seq_len``; ``loss_mask`` True on the
+    response tokens (on every token but the first with ``loss_on_prompt``). None when no label
+    survives truncation."""
+    ids = (list(prompt_ids) + list(response_ids))[:max_seq_len]
+    n_prompt = min(len(prompt_ids), len(ids))
+    if loss_on_prompt:
+        mask = [False] + [True] * (len(ids) - 1)  # token 0 has nothing before it to predict it from
+    else:
+        mask = [False] * n_prompt + [True] * (len(ids) - n_prompt)
+    if not any(mask):
+        return None
+    return {"input_ids": ids, "loss_mask": mask, "prompt_len": n_prompt}
+
+
+def split_eval(prompts: list[str], eval_prompts, seed: int) -> tuple[list[str], list[str]]:
+    """``(train, held_out)``: hold out ``eval_prompts`` prompts (an int count, a fraction < 1, or
+    an explicit list of prompt strings, which are then removed from training).
+
+    The held-out prompts are those with the smallest ``hash(seed, prompt)``, and both lists keep
+    the input order: adding prompts later moves few prompts between the splits and leaves the
+    response chunks of the unchanged prefix valid in the cache (a shuffle would reshuffle them
+    all; the trainer shuffles batches anyway)."""
+    prompts = list(prompts)
+    if isinstance(eval_prompts, (list, tuple)):
+        held = list(eval_prompts)
+        drop = set(held)
+        return [p for p in prompts if p not in drop], held
+    n = eval_prompts or 0
+    if isinstance(n, float) and 0 < n < 1:
+        n = int(round(n * len(prompts)))
+    n = int(n)
+    if n <= 0:
+        return prompts, []
+    if n >= len(prompts):
+        raise ValueError(f"eval_prompts={eval_prompts} leaves no training prompts out of {len(prompts)}")
+    ranked = sorted(range(len(prompts)), key=lambda i: hashlib.sha256(f"{seed}\x00{prompts[i]}".encode()).digest())
+    held_idx = set(ranked[:n])
+    return ([p for i, p in enumerate(prompts) if i not in held_idx],
+            [p for i, p in enumerate(prompts) if i in held_idx])
+
+
+def build_dataset(prompt_sources: list[dict], target, *, responses_cfg: dict | None = None, max_seq_len: int = 512,
+                  eval_prompts=0, loss_on_prompt: bool = False, cache_dir: str | Path, seed: int = 0,
+                  min_response_tokens: int = 16):
+    """Prompts from ``prompt_sources`` -> self-distilled, tokenized training examples.
+
+    ``prompt_sources``: dicts, e.g. ``{"source": "magpie", "count": 2000}``,
+    ``{"source": "file", "path": "data.jsonl", "limit": 500}``,
+    ``{"source": "hub", "name": "org/set", "split": "train", "limit": 500}`` (see
+    :func:`specfoundry.train.prompts.load_prompts`). Prompts are deduplicated across sources, a
+    deterministic ``eval_prompts`` hold-out (see :func:`split_eval`; it comes out of the sources'
+    counts) is split off before any response is generated, and
+    prompts whose templated length leaves fewer than ``min_response_tokens`` of ``max_seq_len``
+    are dropped. Returns ``(train_ds, eval_prompts_list)``; ``train_ds`` is saved under
+    ``cache_dir/datasets/<hash>`` and memory-mapped from there.
+    """
+    from datasets import Dataset, load_from_disk
+
+    from .prompts import load_prompts
+
+    cache_dir = Path(cache_dir)
+    t0 = time.perf_counter()
+    prompts = load_prompts(prompt_sources, target=target, cache_dir=cache_dir, seed=seed)
+    train_prompts, held_out = split_eval(prompts, eval_prompts, seed)
+    chat = ChatFormat(target)
+    room = max_seq_len - min_response_tokens
+    fits = [p for p in train_prompts if len(chat.prompt_ids(p, (responses_cfg or {}).get("system"))) <= room]
+    if len(fits) < len(train_prompts):
+        _log(f"dropped {len(train_prompts) - len(fits)} prompts longer than {room} templated tokens")
+    _log(f"{len(prompts)} prompts: {len(fits)} to self-distill, {len(held_out)} held out for eval")
+    report = ChunkReport()
+    distilled = self_distill(fits, target, responses_cfg=responses_cfg, cache_dir=cache_dir, seed=seed, report=report)
+    _log(f"response chunks: {report.computed} generated, {report.reused} reused from {cache_dir}")
+
+    key = stable_hash("dataset-v1", _responses_key_base(target, {**DEFAULT_RESPONSES, **(responses_cfg or {})}, seed),
+                      max_seq_len, loss_on_prompt, fits)[:16]
+    out = cache_dir / "datasets" / key
+    if not (out / "dataset_info.json").exists():
+        cols: dict[str, list] = {"id": [], "prompt": [], "response": [], "input_ids": [], "loss_mask": [],
+                                 "prompt_len": []}
+        if distilled is not None:
+            for row in distilled:
+                ex = make_example(row["prompt_ids"], row["response_ids"], max_seq_len=max_seq_len,
+                                  loss_on_prompt=loss_on_prompt)
+                if ex is None:
+                    continue
+                cols["id"].append(len(cols["id"]))
+                cols["prompt"].append(row["prompt"])
+                cols["response"].append(row["response"])
+                for k in ("input_ids", "loss_mask", "prompt_len"):
+                    cols[k].append(ex[k])
+        save_dataset_atomic(Dataset.from_dict(cols, features=TRAIN_FEATURES()), out)
+    ds = load_from_disk(str(out))
+    n_tok = sum(len(x) for x in ds["input_ids"]) if len(ds) else 0
+    n_lab = sum(sum(x) for x in ds["loss_mask"]) if len(ds) else 0
+    _log(f"dataset: {len(ds)} examples, {n_tok} tokens, {n_lab} label tokens "
+         f"({time.perf_counter() - t0:.0f}s including generation) -> {out}")
+    return ds, held_out

@@ -1,0 +1,287 @@
+"""Target hidden states for speculator training: one batch interface, online or offline.
+
+Scope: :class:`HiddenStateSource` turns tokenized examples (``input_ids``, ``loss_mask``; see
+:mod:`.data`) into right-padded training batches that carry the frozen target's hidden states:
+
+- ``features`` ``[B, L, F, H]``: HF ``hidden_states`` at ``feature_layers`` (index 0 = the
+  embeddings, ``i`` = the input of layer ``i``, ``num_layers`` = the final normed output);
+- ``last_hidden`` ``[B, L, H]``: the final normed output (``lm_head(last_hidden)`` gives the
+  target's logits, the distillation labels).
+
+``online`` runs the target inside the iterator, i.e. inside the training step that pulls the
+batch; ``offline`` precomputes them once (:meth:`HiddenStateSource.prepare`) into sharded
+safetensors files with a JSON manifest and memory-maps them back. Both compute each example
+with its own unpadded forward (the DESIGN's measured capture mode on CPU, and no padding
+compute), so the two modes give bit-identical batches when the storage dtypes match.
+
+Dtypes: the forward runs in the target's dtype. ``dtype`` is what ``features`` are stored and
+returned in (bf16 halves the disk); ``last_hidden_dtype`` is kept separate because the labels
+should be captured in the dtype the speculator is evaluated against (a bf16 target's argmax
+agrees with fp32's on only ~98% of positions).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .data import dtype_name, model_fingerprint, resolve_dtype, stable_hash
+
+FORMAT = "specfoundry-hidden-states-v1"
+
+
+def _dataset_hash(dataset) -> str:
+    """Hash of every example's id, tokens and loss mask (what the stored states depend on, plus
+    the masks the batches carry)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for i in range(len(dataset)):
+        row = dataset[i]
+        h.update(str(_example_id(row, i)).encode())
+        h.update(np.asarray(row["input_ids"], dtype=np.int64).tobytes())
+        h.update(np.asarray(row["loss_mask"], dtype=np.bool_).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _example_id(row: dict, index: int) -> int:
+    return int(row["id"]) if "id" in row and row["id"] is not None else index
+
+
+def _atomic_write_json(path: Path, obj) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def batch_order(n: int, batch_size: int, *, seed: int, epoch: int, shuffle: bool = True,
+                drop_last: bool = False) -> list[list[int]]:
+    """Row indices of every batch of an epoch; a pure function of ``(seed, epoch)``."""
+    if shuffle:
+        g = torch.Generator().manual_seed(int(stable_hash("batch-order", seed, epoch)[:12], 16))
+        perm = torch.randperm(n, generator=g).tolist()
+    else:
+        perm = list(range(n))
+    batches = [perm[i:i + batch_size] for i in range(0, n, batch_size)]
+    if drop_last and batches and len(batches[-1]) < batch_size:
+        batches.pop()
+    return batches
+
+
+class HiddenStateSource:
+    """``HiddenStateSource(mode, target, feature_layers, cache_dir=None, dtype=None, ...)``.
+
+    ``mode``: ``"online"`` or ``"offline"`` (needs ``cache_dir``). ``dtype``: storage/return
+    dtype of ``features`` (default: the target's). ``last_hidden_dtype``: of ``last_hidden``
+    (default: the target's). ``shard_tokens``: tokens per offline shard file. ``device``: where
+    batches are returned (default: the target's device).
+    """
+
+    def __init__(self, mode: str, target, feature_layers: Sequence[int], cache_dir: str | Path | None = None,
+                 dtype=None, *, last_hidden_dtype=None, shard_tokens: int = 32768, device=None):
+        if mode not in ("online", "offline"):
+            raise ValueError(f"mode must be 'online' or 'offline', got {mode!r}")
+        if mode == "offline" and cache_dir is None:
+            raise ValueError("offline hidden states need a cache_dir")
+        L = target.num_layers
+        layers = tuple(int(i) for i in feature_layers)
+        if not layers or any(i < 0 or i > L for i in layers):
+            raise ValueError(f"feature_layers {feature_layers} must be HF hidden_states indices in [0, {L}]")
+        self.mode = mode
+        self.target = target
+        self.feature_layers = layers
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.dtype = resolve_dtype(dtype) or target.dtype
+        self.last_hidden_dtype = resolve_dtype(last_hidden_dtype) or target.dtype
+        self.shard_tokens = int(shard_tokens)
+        self.device = torch.device(device) if device is not None else target.device
+        tok = target.tokenizer
+        self.pad_id = int(tok.pad_token_id) if tok is not None and tok.pad_token_id is not None else 0
+        self._index: dict[int, tuple[int, int, int]] | None = None  # example id -> (shard, offset, length)
+        self._handles: dict[int, object] = {}
+
+    # -- the target forward ------------------------------------------------------------------
+    @torch.no_grad()  # not inference_mode: its tensors could not be saved for the head's backward
+    def compute(self, input_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(features [n, F, H], last_hidden [n, H])`` of one example, one unpadded forward."""
+        ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=self.target.device)[None]
+        out = self.target.model.model(input_ids=ids, use_cache=False, output_hidden_states=True)
+        hs = out.hidden_states
+        feats = torch.stack([hs[i][0] for i in self.feature_layers], dim=1).to(self.dtype)
+        return feats, out.last_hidden_state[0].to(self.last_hidden_dtype)
+
+    # -- offline storage -----------------------------------------------------------------------
+    def _dataset_hash(self, dataset) -> str:
+        # hashing every token costs a pass over the data: do it once per dataset object (the
+        # reference is kept so the object cannot be replaced by another at the same id)
+        cached = getattr(self, "_hash_cache", None)
+        if cached is None or cached[0] is not dataset or cached[1] != len(dataset):
+            self._hash_cache = (dataset, len(dataset), _dataset_hash(dataset))
+        return self._hash_cache[2]
+
+    def header(self, dataset) -> dict:
+        """What the stored states depend on; a manifest with a different header is refused."""
+        return {
+            "format": FORMAT,
+            "target": {**self.target.identity(), "weights": model_fingerprint(self.target),
+                       "dtype": dtype_name(self.target.dtype)},
+            "feature_layers": list(self.feature_layers),
+            "dtype": dtype_name(self.dtype),
+            "last_hidden_dtype": dtype_name(self.last_hidden_dtype),
+            "shard_tokens": self.shard_tokens,
+            "dataset": self._dataset_hash(dataset),
+            "num_examples": len(dataset),
+        }
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.cache_dir / "manifest.json"
+
+    def _read_manifest(self) -> dict | None:
+        return json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else None
+
+    def _check_header(self, manifest: dict, header: dict) -> None:
+        diff = [k for k in header if manifest.get("header", {}).get(k) != header[k]]
+        if diff:
+            details = "; ".join(f"{k}: stored {manifest.get('header', {}).get(k)!r} != {header[k]!r}" for k in diff)
+            raise ValueError(f"hidden states in {self.cache_dir} were computed for something else ({details}); "
+                             "use another cache_dir or delete it")
+
+    def _shard_plan(self, dataset) -> list[list[int]]:
+        """Consecutive examples grouped into shards of about ``shard_tokens`` tokens."""
+        plan, cur, tokens = [], [], 0
+        for i in range(len(dataset)):
+            n = len(dataset[i]["input_ids"])
+            if cur and tokens + n > self.shard_tokens:
+                plan.append(cur)
+                cur, tokens = [], 0
+            cur.append(i)
+            tokens += n
+        if cur:
+            plan.append(cur)
+        return plan
+
+    def prepare(self, dataset, *, progress: bool = True) -> None:
+        """Offline: compute and write every missing shard (resumable: shards already listed in
+        the manifest are kept), after checking an existing manifest matches this target, layers,
+        dtypes and dataset. Online: nothing to do."""
+        if self.mode == "online":
+            return
+        from safetensors.torch import save_file
+        from tqdm.auto import tqdm
+
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        header = self.header(dataset)
+        manifest = self._read_manifest()
+        if manifest is not None:
+            self._check_header(manifest, header)
+        else:
+            manifest = {"header": header, "shards": {}, "complete": False}
+            _atomic_write_json(self.manifest_path, manifest)
+        plan = self._shard_plan(dataset)
+        todo = [s for s in range(len(plan)) if str(s) not in manifest["shards"]
+                or not (self.cache_dir / manifest["shards"][str(s)]["file"]).exists()]
+        total = sum(len(dataset[i]["input_ids"]) for s in todo for i in plan[s])
+        bar = tqdm(total=total, desc="hidden states", unit="tok", disable=not progress or not todo)
+        for s in todo:
+            feats, lasts, ids, lengths = [], [], [], []
+            for i in plan[s]:
+                row = dataset[i]
+                f, h = self.compute(row["input_ids"])
+                feats.append(f.cpu())
+                lasts.append(h.cpu())
+                ids.append(_example_id(row, i))
+                lengths.append(len(row["input_ids"]))
+                bar.update(lengths[-1])
+            name = f"shard-{s:05d}.safetensors"
+            tensors = {"features": torch.cat(feats).contiguous(), "last_hidden": torch.cat(lasts).contiguous()}
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-shard-", suffix=".safetensors", dir=self.cache_dir)
+            os.close(fd)
+            save_file(tensors, tmp, metadata={"format": FORMAT, "target": header["target"]["weights"]})
+            os.replace(tmp, self.cache_dir / name)  # a shard exists only once complete
+            offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
+            manifest["shards"][str(s)] = {
+                "file": name, "example_ids": ids, "lengths": lengths, "offsets": [int(o) for o in offsets],
+                "shapes": {k: list(v.shape) for k, v in tensors.items()},
+                "dtype": {k: dtype_name(v.dtype) for k, v in tensors.items()},
+            }
+            manifest["complete"] = len(manifest["shards"]) == len(plan)
+            _atomic_write_json(self.manifest_path, manifest)
+        bar.close()
+        manifest["complete"] = True
+        _atomic_write_json(self.manifest_path, manifest)
+        self._index = None
+
+    def _load_index(self, dataset) -> None:
+        manifest = self._read_manifest()
+        if manifest is None or not manifest.get("complete"):
+            raise RuntimeError(f"no complete hidden states in {self.cache_dir}: call prepare(dataset) first")
+        self._check_header(manifest, self.header(dataset))
+        from safetensors import safe_open
+
+        self._index, self._handles = {}, {}
+        for s, entry in manifest["shards"].items():
+            self._handles[int(s)] = safe_open(str(self.cache_dir / entry["file"]), framework="pt")
+            for eid, off, n in zip(entry["example_ids"], entry["offsets"], entry["lengths"]):
+                self._index[int(eid)] = (int(s), off, n)
+
+    def _stored(self, eid: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s, off, n = self._index[eid]
+        f = self._handles[s]
+        return f.get_slice("features")[off:off + n], f.get_slice("last_hidden")[off:off + n]
+
+    # -- batches -------------------------------------------------------------------------------
+    def num_batches(self, dataset, batch_size: int, *, drop_last: bool = False, world_size: int = 1) -> int:
+        n = len(dataset) // batch_size if drop_last else math.ceil(len(dataset) / batch_size)
+        return math.ceil(n / world_size) if world_size > 1 else n
+
+    def batches(self, dataset, batch_size: int, *, seed: int, epoch: int, start_step: int = 0,
+                shuffle: bool = True, drop_last: bool = False, rank: int = 0,
+                world_size: int = 1) -> Iterator[dict]:
+        """Right-padded batches of one epoch in a deterministic order (``seed``, ``epoch``);
+        the first ``start_step`` batches are skipped without computing anything (resume). With
+        ``world_size > 1`` process ``rank`` gets every ``world_size``-th batch.
+
+        Each batch: ``input_ids`` [B, L] long, ``attention_mask`` [B, L] long, ``loss_mask``
+        [B, L] bool, ``features`` [B, L, F, H], ``last_hidden`` [B, L, H], ``example_ids`` [B].
+        """
+        if self.mode == "offline":
+            self._load_index(dataset)
+        order = batch_order(len(dataset), batch_size, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last)
+        mine = order[rank::world_size]
+        for rows_idx in mine[start_step:]:
+            rows = [dataset[i] for i in rows_idx]
+            yield self._collate(rows, rows_idx)
+
+    def _collate(self, rows: list[dict], rows_idx: list[int]) -> dict:
+        B = len(rows)
+        Lmax = max(len(r["input_ids"]) for r in rows)
+        F, H = len(self.feature_layers), self.target.hidden_size
+        dev = self.device
+        input_ids = torch.full((B, Lmax), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros(B, Lmax, dtype=torch.long)
+        loss_mask = torch.zeros(B, Lmax, dtype=torch.bool)
+        features = torch.zeros(B, Lmax, F, H, dtype=self.dtype, device=dev)
+        last_hidden = torch.zeros(B, Lmax, H, dtype=self.last_hidden_dtype, device=dev)
+        ids = []
+        for b, (row, i) in enumerate(zip(rows, rows_idx)):
+            n = len(row["input_ids"])
+            input_ids[b, :n] = torch.as_tensor(row["input_ids"], dtype=torch.long)
+            attention_mask[b, :n] = 1
+            loss_mask[b, :n] = torch.as_tensor(row["loss_mask"], dtype=torch.bool)
+            eid = _example_id(row, i)
+            ids.append(eid)
+            f, h = self._stored(eid) if self.mode == "offline" else self.compute(row["input_ids"])
+            features[b, :n] = f.to(dev)
+            last_hidden[b, :n] = h.to(dev)
+        return {"input_ids": input_ids.to(dev), "attention_mask": attention_mask.to(dev),
+                "loss_mask": loss_mask.to(dev), "features": features, "last_hidden": last_hidden,
+                "example_ids": torch.tensor(ids, dtype=torch.long)}
