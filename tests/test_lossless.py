@@ -89,3 +89,24 @@ def test_compare_greedy_flags_a_real_divergence(tiny_target):
     cmp = compare_greedy(tiny_target, PROMPTS[0], wrong, plain.token_ids)
     assert not cmp.identical and cmp.first_divergence == 4
     assert cmp.top2_gap > 1e-4 and not cmp.ok
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_exact_on_cuda(dtype):
+    """The same check on an NVIDIA GPU (``make test-gpu``); skipped where CUDA is absent."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine")
+    from specfoundry.runtime.lossless import compare_greedy
+
+    target = tiny_llama(0, dtype=dtype)
+    target.model.to("cuda")
+    for label, drafter, opts in _drafters(target):
+        if label in ("draft-close", "draft-far"):
+            continue  # those draft models are built on the CPU
+        gen = SpeculativeGenerator(target, drafter, adaptive=False, **opts)
+        for prompt in PROMPTS:
+            spec = gen.generate(prompt_ids=prompt, max_new_tokens=24)
+            plain = gen.generate(prompt_ids=prompt, max_new_tokens=24, speculate=False)
+            cmp = compare_greedy(target, prompt, spec.token_ids, plain.token_ids)
+            assert cmp.ok, f"{label} {dtype}: {cmp}"
