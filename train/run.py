@@ -33,7 +33,7 @@ def make_accelerator(recipe):
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
     ds = deepspeed_config_for(recipe)
     if ds is not None:
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds, zero3_init_flag=False)
     elif recipe.training.precision == "bf16" and torch.cuda.is_available():
         kwargs["mixed_precision"] = "bf16"
     return Accelerator(**kwargs)
@@ -101,8 +101,10 @@ def save_result(recipe, target, module, state_dict, run_dir: Path, training_meta
         (out / "specfoundry_target.json").write_text(json.dumps({"target": target.identity(), "speculator_type": "draft"}))
         return out
     prefix = "heads." if recipe.method.startswith("medusa") else "head."
-    module.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
-    return save_speculator(module.to(target.dtype).eval(), out, target, training=training_meta)
+    # a fresh module: under ZeRO-3 the trained one holds only this rank's (empty) partitions
+    fresh = type(module).build(module.architecture, target)
+    fresh.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
+    return save_speculator(fresh.to(target.device, target.dtype).eval(), out, target, training=training_meta)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     recipe = resolve(load_recipe(args.recipe, overrides=args.set or None))
     run_dir = Path(recipe.output_dir)
+    # the frozen target is loaded before the DeepSpeed plugin exists: under ZeRO-3 transformers
+    # would otherwise partition it at load (it is replicated per process; only the head is sharded)
+    target = load_target(recipe.target.name, dtype=_dtype(recipe.target.dtype))
     acc = make_accelerator(recipe)
     set_seed(recipe.training.seed)
     if acc.is_main_process:
@@ -135,7 +140,6 @@ def main(argv: list[str] | None = None) -> int:
     mode = init_tracking(acc, recipe.tracking.wandb_project, recipe.tracking.run_name, recipe.to_dict(), run_dir,
                          recipe.tracking.wandb_mode) if recipe.tracking.wandb_mode != "disabled" else "disabled"
 
-    target = load_target(recipe.target.name, dtype=_dtype(recipe.target.dtype))
     d = recipe.data
     t_data = time.perf_counter()
     with acc.main_process_first():  # the main process generates and caches; the others reuse
@@ -150,9 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     source = HiddenStateSource(d.hidden_states, target, layers, cache_dir=Path(d.cache_dir) / "features")
     with acc.main_process_first():
         source.prepare(train_ds)
-    shard = train_ds.shard(acc.num_processes, acc.process_index) if acc.num_processes > 1 else train_ds
     tr = recipe.training
-    per_epoch = max(1, math.ceil(len(shard) / tr.batch_size))
+    P, rank = acc.num_processes, acc.process_index
+    # every process walks the same batch order and takes every P-th batch; the tail that cannot
+    # be split evenly is dropped so all ranks run the same number of steps (collectives match)
+    per_epoch = max(1, math.ceil(len(train_ds) / tr.batch_size) // P)
     steps = tr.max_steps or math.ceil(per_epoch * (tr.epochs or 1) / tr.grad_accum)
     if tr.max_steps and tr.epochs:
         steps = min(steps, math.ceil(per_epoch * tr.epochs / tr.grad_accum))
@@ -162,7 +168,12 @@ def main(argv: list[str] | None = None) -> int:
                      micro_batch_size=tr.batch_size)
 
     def batches(epoch: int, start: int):
-        return source.batches(shard, tr.batch_size, seed=tr.seed, epoch=epoch, start_step=start)
+        it = source.batches(train_ds, tr.batch_size, seed=tr.seed, epoch=epoch, start_step=start * P)
+        for i, batch in enumerate(it):
+            if i >= (per_epoch - start) * P:
+                break
+            if i % P == rank:
+                yield batch
 
     acc.print(f"[train] {len(train_ds)} sequences, {steps} steps of {tr.batch_size} x {acc.num_processes} process(es)")
     summary = train_loop(acc, method, batches, cfg, run_dir, resume=args.resume)

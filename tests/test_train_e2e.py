@@ -1,0 +1,95 @@
+"""A whole training run on a tiny local target (with SmolLM2's tokenizer and chat template):
+data, hidden states, training, the run directory, the speculator loading losslessly; and the
+same run under DeepSpeed ZeRO-2 and ZeRO-3 with 2 processes on CPU (gloo)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from specfoundry.runtime import SpeculativeGenerator, load_drafter, load_target
+from specfoundry.runtime.models import builtin_model_dir
+from specfoundry.runtime.speculators import read_config
+
+PROMPTS = ["Write a haiku about rain.", "What is 2 + 2?", "Name three colors.", "Explain gravity briefly.",
+           "Give me a synonym for happy.", "Translate 'cat' to French.", "List two prime numbers.",
+           "What is the capital of Italy?", "Say hello politely.", "Describe a cat in one sentence.",
+           "Count to five.", "Why is the sea salty?"]
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory, smollm2):
+    d = tmp_path_factory.mktemp("tiny-target")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=smollm2.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    AutoTokenizer.from_pretrained(builtin_model_dir("smollm2-135m")).save_pretrained(d)
+    return d
+
+
+def _recipe(tmp_path, target_dir, hidden_states="offline", **launcher) -> Path:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS) + "\n")
+    recipe = {
+        "name": "tiny-eagle3", "method": "eagle3", "output_dir": str(tmp_path / "run"),
+        "target": {"name": str(target_dir), "dtype": "fp32", "device": "cpu"},
+        "speculator": {"draft_vocab_size": 512},
+        "data": {"prompts": [{"source": "file", "path": str(prompts), "limit": 12}],
+                 "responses": {"max_new_tokens": 12, "batch_size": 8, "dtype": "fp32"},
+                 "max_seq_len": 64, "eval_prompts": 2, "hidden_states": hidden_states,
+                 "cache_dir": str(tmp_path / "cache")},
+        "training": {"max_steps": 4, "batch_size": 2, "learning_rate": 1e-3, "log_every": 1, "precision": "fp32"},
+        "tracking": {"wandb_mode": "offline"},
+        "evaluation": {"limit": 1, "max_new_tokens": 8, "temperatures": [0.0], "depth": 3},
+        "launcher": launcher or {"config": "single-cpu"},
+    }
+    path = tmp_path / "tiny-eagle3.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def _check_run(run: Path, target_dir):
+    assert (run / "recipe.resolved.yaml").exists()
+    assert list((run / "checkpoints").glob("step-*"))
+    cfg = read_config(run / "speculator")
+    assert cfg["speculator_type"] == "eagle3" and cfg["architecture"]["draft_vocab_size"] == 512
+    summary = json.loads((run / "train_summary.json").read_text())
+    assert summary["steps"] == 4 and summary["tokens_trained"] > 0
+    assert "builtin-heldout" in summary["measured"] and summary["measured"]["builtin-heldout"]["T=0"]["identical_rate"] == 1.0
+    target = load_target(str(target_dir))
+    gen = SpeculativeGenerator(target, load_drafter(str(run / "speculator"), target=target), adaptive=False)
+    spec = gen.generate(prompt="Hello there", max_new_tokens=12, stop_at_eos=False)
+    plain = gen.generate(prompt="Hello there", max_new_tokens=12, stop_at_eos=False, speculate=False)
+    assert spec.token_ids == plain.token_ids
+    return summary
+
+
+def test_single_process_run_writes_a_complete_run_directory(tmp_path, tiny_target_dir, monkeypatch):
+    from specfoundry.train.run import main
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert main([str(_recipe(tmp_path, tiny_target_dir))]) == 0
+    _check_run(tmp_path / "run", tiny_target_dir)
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_deepspeed_two_processes_on_cpu(tmp_path, tiny_target_dir, stage):
+    recipe = _recipe(tmp_path, tiny_target_dir, config="zero-cpu-2proc", deepspeed=stage)
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "specfoundry.runtime.cli", "train", str(recipe)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = _check_run(tmp_path / "run", tiny_target_dir)
+    # every rank's ZeRO shard went into the checkpoint
+    ckpt = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))[-1]
+    assert len(list(ckpt.rglob("*rank_1*"))) >= 1, sorted(p.name for p in ckpt.rglob("*"))
+    assert summary["steps"] == 4
