@@ -82,11 +82,14 @@ class HiddenStateSource:
     ``mode``: ``"online"`` or ``"offline"`` (needs ``cache_dir``). ``dtype``: storage/return
     dtype of ``features`` (default: the target's). ``last_hidden_dtype``: of ``last_hidden``
     (default: the target's). ``shard_tokens``: tokens per offline shard file. ``device``: where
-    batches are returned (default: the target's device).
+    batches are returned (default: the target's device). ``online_batched``: run one padded
+    forward per batch instead of one per example (faster on a GPU; equal to the offline states
+    only up to kernel rounding, not bit for bit).
     """
 
     def __init__(self, mode: str, target, feature_layers: Sequence[int], cache_dir: str | Path | None = None,
-                 dtype=None, *, last_hidden_dtype=None, shard_tokens: int = 32768, device=None):
+                 dtype=None, *, last_hidden_dtype=None, shard_tokens: int = 32768, device=None,
+                 online_batched: bool = False):
         if mode not in ("online", "offline"):
             raise ValueError(f"mode must be 'online' or 'offline', got {mode!r}")
         if mode == "offline" and cache_dir is None:
@@ -103,6 +106,7 @@ class HiddenStateSource:
         self.last_hidden_dtype = resolve_dtype(last_hidden_dtype) or target.dtype
         self.shard_tokens = int(shard_tokens)
         self.device = torch.device(device) if device is not None else target.device
+        self.online_batched = bool(online_batched)
         tok = target.tokenizer
         self.pad_id = int(tok.pad_token_id) if tok is not None and tok.pad_token_id is not None else 0
         self._index: dict[int, tuple[int, int, int]] | None = None  # example id -> (shard, offset, length)
@@ -117,6 +121,18 @@ class HiddenStateSource:
         hs = out.hidden_states
         feats = torch.stack([hs[i][0] for i in self.feature_layers], dim=1).to(self.dtype)
         return feats, out.last_hidden_state[0].to(self.last_hidden_dtype)
+
+    @torch.no_grad()
+    def compute_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One right-padded forward: ``(features [B, L, F, H], last_hidden [B, L, H])``."""
+        dev = self.target.device
+        out = self.target.model.model(input_ids=input_ids.to(dev), attention_mask=attention_mask.to(dev),
+                                      use_cache=False, output_hidden_states=True)
+        hs = out.hidden_states
+        feats = torch.stack([hs[i] for i in self.feature_layers], dim=2).to(self.dtype)
+        keep = attention_mask.to(dev).bool()
+        feats = feats * keep[..., None, None]  # padded positions are zeros, as in the other paths
+        return feats, out.last_hidden_state.to(self.last_hidden_dtype) * keep[..., None]
 
     # -- offline storage -----------------------------------------------------------------------
     def _dataset_hash(self, dataset) -> str:
@@ -272,6 +288,7 @@ class HiddenStateSource:
         features = torch.zeros(B, Lmax, F, H, dtype=self.dtype, device=dev)
         last_hidden = torch.zeros(B, Lmax, H, dtype=self.last_hidden_dtype, device=dev)
         ids = []
+        batched = self.mode == "online" and self.online_batched
         for b, (row, i) in enumerate(zip(rows, rows_idx)):
             n = len(row["input_ids"])
             input_ids[b, :n] = torch.as_tensor(row["input_ids"], dtype=torch.long)
@@ -279,9 +296,14 @@ class HiddenStateSource:
             loss_mask[b, :n] = torch.as_tensor(row["loss_mask"], dtype=torch.bool)
             eid = _example_id(row, i)
             ids.append(eid)
+            if batched:
+                continue
             f, h = self._stored(eid) if self.mode == "offline" else self.compute(row["input_ids"])
             features[b, :n] = f.to(dev)
             last_hidden[b, :n] = h.to(dev)
+        if batched:
+            f, h = self.compute_batch(input_ids, attention_mask)
+            features, last_hidden = f.to(dev), h.to(dev)
         return {"input_ids": input_ids.to(dev), "attention_mask": attention_mask.to(dev),
                 "loss_mask": loss_mask.to(dev), "features": features, "last_hidden": last_hidden,
                 "example_ids": torch.tensor(ids, dtype=torch.long)}

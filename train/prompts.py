@@ -176,9 +176,13 @@ def load_hub_prompts(name: str, split: str = "train", limit: int | None = None, 
     from datasets import load_dataset
 
     ds = load_dataset(name, subset, split=split, **load_kwargs)
-    if limit is not None and not shuffle:
-        ds = ds.select(range(min(len(ds), limit * 2)))  # some records may lack a user turn
-    out = [p for p in (extract_prompt(r) for r in ds) if p is not None]
+    out: list[str] = []
+    for rec in ds:
+        p = extract_prompt(rec)
+        if p is not None:
+            out.append(p)
+            if limit is not None and not shuffle and len(out) >= limit:
+                break  # first `limit` usable records: no need to scan a large set
     return _take(out, limit, shuffle, seed)
 
 
@@ -276,15 +280,19 @@ def magpie_specs(n: int, rng: random.Random, *, topics: list[str], task_types: l
     return specs
 
 
-def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = None, **cfg) -> list[str]:
+def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = None, deadline: float | None = None,
+                   **cfg) -> list[str]:
     """``count`` distinct user prompts written by ``target`` itself (fewer only if ``max_rounds``
     runs out). Options (see ``MAGPIE_DEFAULTS``): ``topics`` (list, or a text file with one per
     line), ``task_types``, ``seed``, ``max_prompt_tokens`` (longer samples are cut and, with
     ``require_finished``, dropped), ``temperature``/``top_p``/``top_k``, ``batch_size``, ``dtype``,
     ``free_fraction`` (share of unseeded candidates), ``system_hints`` (also name the topic in
-    the system message), ``round_size`` (candidates per cached round), ``filter``."""
-    from .data import ChatFormat, ChunkReport, GenStats, _log as _dlog, cached_chunks, dtype_name, generate_batched, \
-        model_fingerprint, model_in_dtype, resolve_dtype
+    the system message), ``round_size`` (candidates per cached round), ``filter``. Past
+    ``deadline`` (``time.time()``) no new round starts (cached rounds are still read)."""
+    # imported here: data.py imports this module (build_dataset -> load_prompts)
+    from . import data as _data
+    from .data import ChatFormat, ChunkReport, GenStats, cached_chunks, dtype_name, model_fingerprint, \
+        model_in_dtype, resolve_dtype, stable_hash
 
     cfg = {**MAGPIE_DEFAULTS, **cfg, "count": count}
     unknown = set(cfg) - set(MAGPIE_DEFAULTS)
@@ -301,8 +309,6 @@ def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = N
                 "dtype": dtype_name(gen_dtype),
                 **{k: cfg[k] for k in ("max_prompt_tokens", "min_new_tokens", "temperature", "top_p", "top_k",
                                        "batch_size")}}
-    from .data import stable_hash
-
     report = ChunkReport()
     stats: GenStats = report.stats
 
@@ -310,11 +316,11 @@ def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = N
         prefixes = [chat.user_prefix_ids(s["system"]) + (chat.encode_text(s["opener"]) if s["opener"] else [])
                     for s in specs]
         n_pre = [len(chat.user_prefix_ids(s["system"])) for s in specs]
-        new, fin = generate_batched(model, prefixes, max_new_tokens=cfg["max_prompt_tokens"],
-                                    temperature=cfg["temperature"], top_p=cfg["top_p"], top_k=cfg["top_k"],
-                                    stop_ids=stop, min_new_tokens=cfg["min_new_tokens"],
-                                    batch_size=cfg["batch_size"], pad_id=chat.pad_id, seed=chunk_seed,
-                                    progress="magpie prompts", stats=stats)
+        # looked up on the module at call time, so tests can count or interrupt the calls
+        new, fin = _data.generate_batched(
+            model, prefixes, max_new_tokens=cfg["max_prompt_tokens"], temperature=cfg["temperature"],
+            top_p=cfg["top_p"], top_k=cfg["top_k"], stop_ids=stop, min_new_tokens=cfg["min_new_tokens"],
+            batch_size=cfg["batch_size"], pad_id=chat.pad_id, seed=chunk_seed, progress="magpie prompts", stats=stats)
         texts = []
         for pre, k, ids, done in zip(prefixes, n_pre, new, fin):
             body = pre[k:] + (ids[:-1] if done else ids)  # opener + continuation, without the stop token
@@ -340,8 +346,10 @@ def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = N
                                  free_fraction=cfg["free_fraction"], system_hints=cfg["system_hints"])
             for s in specs:
                 s["round"] = rnd  # identical seeds in different rounds must still sample differently
-            ds = cached_chunks(root, specs, len(specs), key_base, lambda sp, sd: compute(sp, sd), desc="magpie",
-                               report=report)
+            ds = cached_chunks(root, specs, len(specs), key_base, compute, desc="magpie", report=report,
+                               deadline=deadline)
+            if ds is None:  # out of time
+                break
             for text, done in zip(ds["text"], ds["finished"]):
                 why = None
                 if not text:
@@ -367,7 +375,7 @@ def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = N
     dropped = ", ".join(f"{v} {k}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]))
     _log(f"magpie: {kept}; dropped: {dropped or 'none'}; rounds generated {report.computed}, reused {report.reused}")
     if stats.seconds:
-        _dlog(f"magpie generation ({dtype_name(gen_dtype)}, batch {cfg['batch_size']}): {stats.summary()}")
+        _data._log(f"magpie generation ({dtype_name(gen_dtype)}, batch {cfg['batch_size']}): {stats.summary()}")
     if len(out) < count:
         _log(f"magpie: only {len(out)} of {count} prompts after {rnd} rounds (raise max_rounds or loosen filters)")
     return out
@@ -378,7 +386,8 @@ def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = N
 # ---------------------------------------------------------------------------------------------
 
 
-def load_source(spec: dict, *, target=None, cache_dir: str | Path | None = None, seed: int = 0) -> list[str]:
+def load_source(spec: dict, *, target=None, cache_dir: str | Path | None = None, seed: int = 0,
+                deadline: float | None = None) -> list[str]:
     """Prompts of one source dict: ``{"source": "magpie", "count": N, ...}``,
     ``{"source": "file", "path": ..., "limit": N, "shuffle": bool}`` or
     ``{"source": "hub", "name": ..., "split": "train", "subset": None, "limit": N, ...}`` (other
@@ -389,7 +398,8 @@ def load_source(spec: dict, *, target=None, cache_dir: str | Path | None = None,
         if target is None:
             raise ValueError("a magpie prompt source needs the target")
         spec.setdefault("seed", seed)
-        return magpie_prompts(target, spec.pop("count", MAGPIE_DEFAULTS["count"]), cache_dir=cache_dir, **spec)
+        return magpie_prompts(target, spec.pop("count", MAGPIE_DEFAULTS["count"]), cache_dir=cache_dir,
+                              deadline=deadline, **spec)
     if kind == "file":
         return read_prompt_file(spec.pop("path"), spec.pop("limit", None), shuffle=spec.pop("shuffle", False),
                                 seed=spec.pop("seed", seed), **_no_extra(spec, "file"))
@@ -407,12 +417,14 @@ def _no_extra(spec: dict, kind: str) -> dict:
     return {}
 
 
-def load_prompts(sources: list[dict], *, target=None, cache_dir: str | Path | None = None, seed: int = 0) -> list[str]:
-    """All sources' prompts in order, deduplicated across sources."""
+def load_prompts(sources: list[dict], *, target=None, cache_dir: str | Path | None = None, seed: int = 0,
+                 deadline: float | None = None) -> list[str]:
+    """All sources' prompts in order, deduplicated across sources (``deadline``: see
+    :func:`magpie_prompts`)."""
     seen: set[str] = set()
     out: list[str] = []
     for spec in sources:
-        got = load_source(spec, target=target, cache_dir=cache_dir, seed=seed)
+        got = load_source(spec, target=target, cache_dir=cache_dir, seed=seed, deadline=deadline)
         new = dedup(got, seen)
         label = " ".join(str(x) for x in (spec.get("source"), spec.get("path") or spec.get("name")) if x)
         _log(f"{label}: {len(got)} prompts, {len(new)} new after dedup")

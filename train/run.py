@@ -146,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         train_ds, heldout = build_dataset(prompt_source_dicts(recipe), target, responses_cfg=vars(d.responses) | {},
                                           max_seq_len=d.max_seq_len, eval_prompts=d.eval_prompts,
                                           loss_on_prompt=d.loss_on_prompt, cache_dir=d.cache_dir,
-                                          seed=recipe.training.seed)
+                                          seed=recipe.training.seed,
+                                          # only the main process generates within the budget; the
+                                          # others then read exactly what it cached
+                                          max_minutes=d.max_minutes if acc.is_main_process else 0)
     data_seconds = time.perf_counter() - t_data
 
     module, method = build_method(recipe, target, train_ds)

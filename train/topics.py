@@ -65,7 +65,8 @@ CODE_TOPICS: list[str] = [
     "dynamic programming", "graph traversal", "database queries", "web scraping", "memoization",
 ]
 
-PROGRAMMING_LANGUAGES: list[str] = ["Python", "JavaScript", "C++", "Java", "Rust", "Go", "SQL", "Bash", "TypeScript", "C"]
+PROGRAMMING_LANGUAGES: list[str] = ["Python", "JavaScript", "C++", "Java", "Rust", "Go", "SQL", "Bash", "TypeScript",
+                                    "C"]
 
 HUMAN_LANGUAGES: list[str] = ["French", "Spanish", "German", "Italian", "Portuguese", "Chinese", "Japanese", "Russian"]
 

@@ -1,0 +1,426 @@
+"""Training data pipeline: prompt sources, Magpie synthesis, cached self-distillation, loss
+masks, and online/offline hidden-state batches."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("datasets")
+
+from specfoundry.train import data as tdata  # noqa: E402
+from specfoundry.train.data import ChunkReport, build_dataset, make_example, self_distill  # noqa: E402
+from specfoundry.train.features import HiddenStateSource, batch_order  # noqa: E402
+from specfoundry.train.prompts import extract_prompt, load_prompts, magpie_prompts, read_prompt_file  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# one intra-op thread: on the shared 2-core machine a 2-thread SmolLM2 generation ran ~13x slower
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _shared_data() -> Path | None:
+    for base in (ROOT.parent / "shared", Path("/work/shared")):
+        if (base / "data").is_dir():
+            return base / "data"
+    return None
+
+
+def _write_jsonl(path: Path, records) -> Path:
+    # ensure_ascii=False keeps U+2028 raw in the file: the reader must split on "\n" only
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n", encoding="utf-8")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# prompt sources
+# ----------------------------------------------------------------------------------------------
+
+
+def test_prompt_extraction_from_each_file_format(tmp_path):
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(json.dumps([
+        {"id": "a", "conversations": [{"from": "human", "value": " How do magnets work? "},
+                                      {"from": "gpt", "value": "They..."}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "I start, so skip me"},
+                                      {"from": "human", "value": "late question"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "   "}]},
+        {"id": "d", "conversations": []},
+        {"id": "e", "conversations": [{"role": "user", "content": "role/content turns work too"}]},
+    ]))
+    assert read_prompt_file(sharegpt) == ["How do magnets work?", "role/content turns work too"]
+
+    turns = _write_jsonl(tmp_path / "question.jsonl", [
+        {"question_id": 81, "category": "writing", "turns": ["First\u2028turn with a line separator", "Second"]},
+        {"question_id": 82, "category": "math", "turns": ["What is 2+2?"]},
+    ])
+    got = read_prompt_file(turns)
+    assert got == ["First\u2028turn with a line separator", "What is 2+2?"]  # U+2028 did not split a record
+
+    _write_jsonl(tmp_path / "p.jsonl", [{"uid": "x", "prompt": "Write a haiku."}, {"prompt": ""}])
+    assert read_prompt_file(tmp_path / "p.jsonl") == ["Write a haiku."]
+
+    _write_jsonl(tmp_path / "inst.jsonl", [
+        {"instruction": "Translate to French.", "input": "Good morning"},
+        {"instruction": "Name three colors.", "input": ""},
+        {"id": "seed_task_0", "instruction": "Fix the grammar.", "instances": [{"input": "he go home", "output": "."}]},
+    ])
+    assert read_prompt_file(tmp_path / "inst.jsonl") == [
+        "Translate to French.\n\nGood morning", "Name three colors.", "Fix the grammar.\n\nhe go home"]
+
+    _write_jsonl(tmp_path / "q.jsonl", [{"question": "Natalia sold clips ...?", "answer": "72"}])
+    assert read_prompt_file(tmp_path / "q.jsonl") == ["Natalia sold clips ...?"]
+
+    _write_jsonl(tmp_path / "m.jsonl", [
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]},
+        {"messages": [{"role": "assistant", "content": "no user first"}]},
+    ])
+    assert read_prompt_file(tmp_path / "m.jsonl") == ["Why is the sky blue?"]
+
+    # a record of no known format, and the limit/shuffle options of a file source
+    assert extract_prompt({"text": "unknown format"}) is None
+    many = _write_jsonl(tmp_path / "many.jsonl", [{"prompt": f"prompt {i}"} for i in range(20)])
+    assert read_prompt_file(many, limit=3) == ["prompt 0", "prompt 1", "prompt 2"]
+    sampled = read_prompt_file(many, limit=3, shuffle=True, seed=1)
+    assert len(set(sampled)) == 3 and sampled != ["prompt 0", "prompt 1", "prompt 2"]
+    assert sampled == read_prompt_file(many, limit=3, shuffle=True, seed=1)
+
+
+def test_load_prompts_dedups_across_sources_and_reads_hub_builders(tmp_path):
+    a = _write_jsonl(tmp_path / "a.jsonl", [{"prompt": "Tell me a joke."}, {"prompt": "What is DNA?"}])
+    b = _write_jsonl(tmp_path / "b.jsonl", [{"question": "what is  DNA"}, {"question": "Name a planet."}])
+    got = load_prompts([
+        {"source": "file", "path": str(a)},
+        # the datasets-hub path, through a local builder (no network in tests)
+        {"source": "hub", "name": "json", "data_files": str(b), "split": "train",
+         "cache_dir": str(tmp_path / "hf")},
+    ])
+    assert got == ["Tell me a joke.", "What is DNA?", "Name a planet."]
+    with pytest.raises(ValueError, match="unknown prompt source"):
+        load_prompts([{"source": "nope"}])
+
+
+def test_read_real_prompt_files_shared_data():
+    data = _shared_data()
+    if data is None:
+        pytest.skip("../shared/data (public prompt files) is not present on this machine")
+    train = data / "train"
+    assert len(read_prompt_file(train / "gsm8k_train.jsonl")) == 7473
+    assert len(read_prompt_file(train / "arena_hard_v2.jsonl")) == 750
+    seeds = read_prompt_file(train / "self_instruct_seed_tasks.jsonl")
+    assert len(seeds) == 175 and all(s.strip() for s in seeds)
+    for f in sorted((train / "sharegpt_prompts").glob("*.json")):
+        records = json.loads(f.read_text())
+        got = read_prompt_file(f)
+        # first human turns only; records that start otherwise (or empty) are skipped
+        expect = sum(1 for r in records if r.get("conversations") and r["conversations"][0].get("from") == "human"
+                     and r["conversations"][0].get("value", "").strip())
+        assert len(got) == expect > 0.5 * len(records)
+        assert all(p.strip() == p and p for p in got)
+    spec = read_prompt_file(data / "eval" / "spec_bench" / "question.jsonl")
+    assert len(spec) == 480
+
+
+# ----------------------------------------------------------------------------------------------
+# Magpie
+# ----------------------------------------------------------------------------------------------
+
+
+def _count_generate_calls(monkeypatch, fail_on_call: int | None = None) -> list:
+    calls = []
+    real = tdata.generate_batched
+
+    def wrapped(*args, **kwargs):
+        calls.append(len(args[1]))
+        if fail_on_call is not None and len(calls) == fail_on_call:
+            raise KeyboardInterrupt("simulated kill")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tdata, "generate_batched", wrapped)
+    return calls
+
+
+def test_magpie_on_tiny_target_gives_distinct_prompts_and_caches(tiny_target, tmp_path, monkeypatch):
+    calls = _count_generate_calls(monkeypatch)
+    cfg = dict(max_prompt_tokens=12, round_size=16, batch_size=8, require_finished=False, seed=3)
+    got = magpie_prompts(tiny_target, 10, cache_dir=tmp_path, **cfg)
+    assert len(got) == 10 and len(set(got)) == 10 and all(p.strip() for p in got)
+    assert calls, "nothing was generated"
+    n_calls = len(calls)
+    # asking again (or for fewer) reuses the cached rounds
+    assert magpie_prompts(tiny_target, 10, cache_dir=tmp_path, **cfg) == got
+    assert magpie_prompts(tiny_target, 6, cache_dir=tmp_path, **cfg) == got[:6]
+    assert len(calls) == n_calls
+    # another seed writes other prompts
+    other = magpie_prompts(tiny_target, 10, cache_dir=tmp_path, **{**cfg, "seed": 4})
+    assert other != got
+
+
+def test_magpie_smollm2_writes_real_questions(smollm2, tmp_path):
+    got = magpie_prompts(smollm2, 6, cache_dir=None, max_prompt_tokens=48, round_size=12, max_rounds=2, seed=0)
+    assert len(got) >= 4 and len(set(got)) == len(got)
+    common = {"the", "a", "to", "of", "and", "in", "is", "how", "what", "i", "you", "for", "can", "write", "me"}
+    english = [p for p in got if common & {w.strip(".,?!:").lower() for w in p.split()}]
+    assert len(english) >= 0.75 * len(got), got
+    assert all("<|" not in p and "im_start" not in p for p in got), got
+
+
+# ----------------------------------------------------------------------------------------------
+# self-distillation
+# ----------------------------------------------------------------------------------------------
+
+
+def test_self_distill_resumes_after_a_kill_without_recomputing(tiny_target, tmp_path, monkeypatch):
+    prompts = [" ".join(str(5 + (i * 7 + j) % 50) for j in range(3 + i % 4)) for i in range(10)]
+    cfg = {"max_new_tokens": 6, "temperature": 1.0, "top_p": 0.9, "batch_size": 3, "chunk_size": 4}
+    reference = self_distill(prompts, tiny_target, responses_cfg=cfg, cache_dir=tmp_path / "ref", seed=7)
+
+    calls = _count_generate_calls(monkeypatch, fail_on_call=2)
+    with pytest.raises(KeyboardInterrupt):
+        self_distill(prompts, tiny_target, responses_cfg=cfg, cache_dir=tmp_path / "run", seed=7)
+    assert calls == [4, 4]  # chunk 1 finished and was saved; chunk 2 was killed
+    chunk_dirs = [p for p in (tmp_path / "run").rglob("chunk-*") if p.is_dir()]
+    assert len(chunk_dirs) == 1
+
+    # out of time: nothing new starts, the finished chunk is still returned
+    calls = _count_generate_calls(monkeypatch)
+    report = ChunkReport()
+    partial = self_distill(prompts, tiny_target, responses_cfg=cfg, cache_dir=tmp_path / "run", seed=7, report=report,
+                           deadline=time.time() - 1)
+    assert calls == [] and (report.computed, report.reused, report.skipped) == (0, 1, 2)
+    assert partial.to_dict() == reference.select(range(4)).to_dict()
+
+    report = ChunkReport()
+    resumed = self_distill(prompts, tiny_target, responses_cfg=cfg, cache_dir=tmp_path / "run", seed=7, report=report)
+    assert (report.computed, report.reused) == (2, 1)
+    assert calls == [4, 2]  # only the two missing chunks were generated
+    assert resumed.to_dict() == reference.to_dict()
+    assert resumed["prompt"] == prompts
+    assert all(0 < len(r) <= 6 for r in resumed["response_ids"])
+
+    # a different generation config is a different cache entry, not a silent reuse
+    report = ChunkReport()
+    self_distill(prompts, tiny_target, responses_cfg={**cfg, "max_new_tokens": 5}, cache_dir=tmp_path / "run",
+                 seed=7, report=report)
+    assert report.reused == 0
+
+
+def test_top_p_sampler_stays_in_the_nucleus():
+    g = torch.Generator().manual_seed(0)
+    V = 5000  # above the 1024-candidate shortcut
+    logits = torch.stack([torch.randn(V, generator=g) * 4, torch.zeros(V)])  # peaked row, flat row (full-sort path)
+    for top_p in (0.5, 0.9):
+        probs = torch.softmax(logits, -1)
+        sp, si = probs.sort(-1, descending=True)
+        nucleus = [set(si[r][(sp[r].cumsum(0) - sp[r]) < top_p].tolist()) for r in range(2)]
+        picks = torch.stack([tdata._sample(logits, 1.0, top_p, 0, g) for _ in range(300)])
+        for r in range(2):
+            got = set(picks[:, r].tolist())
+            assert got <= nucleus[r]
+            assert len(got) > 1
+    assert torch.equal(tdata._sample(logits, 0.0, 0.9, 0, g), logits.argmax(-1))
+
+    # plain temperature sampling draws from softmax(logits / T)
+    small = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    draws = tdata._sample(small.expand(20000, 6), 0.7, 1.0, 0, g)
+    freq = torch.bincount(draws, minlength=6).double() / draws.numel()
+    assert torch.allclose(freq, torch.softmax(small.double() / 0.7, -1), atol=0.015)
+    # top-p on the same row keeps exactly the nucleus, renormalised
+    p = torch.softmax(small.double() / 0.7, -1)
+    draws = tdata._sample(small.expand(20000, 6), 0.7, 0.8, 0, g)
+    freq = torch.bincount(draws, minlength=6).double() / draws.numel()
+    nucleus = (p.cumsum(0) - p) < 0.8
+    assert torch.allclose(freq, torch.where(nucleus, p, 0) / p[nucleus].sum(), atol=0.015)
+
+
+def test_eval_split_is_deterministic_disjoint_and_stable():
+    prompts = [f"prompt {i}" for i in range(40)]
+    train, held = tdata.split_eval(prompts, 8, seed=3)
+    assert len(held) == 8 and not set(train) & set(held) and sorted(train + held) == sorted(prompts)
+    assert train == [p for p in prompts if p in set(train)]  # input order kept
+    assert tdata.split_eval(prompts, 8, seed=3) == (train, held)
+    assert tdata.split_eval(prompts, 8, seed=4)[1] != held
+    _, held_more = tdata.split_eval(prompts + ["prompt 40"], 8, seed=3)
+    assert len(set(held_more) ^ set(held)) <= 2  # one new prompt displaces at most one held-out prompt
+    assert len(tdata.split_eval(prompts, 0.25, seed=0)[1]) == 10
+    assert tdata.split_eval(prompts, ["prompt 3"], seed=0) == ([p for p in prompts if p != "prompt 3"], ["prompt 3"])
+
+
+def test_make_example_truncates_and_masks():
+    ex = make_example([1, 2, 3], [4, 5, 6, 7], max_seq_len=6)
+    assert ex == {"input_ids": [1, 2, 3, 4, 5, 6], "loss_mask": [False] * 3 + [True] * 3, "prompt_len": 3}
+    assert make_example([1, 2, 3], [4], max_seq_len=3) is None  # no assistant token survives
+    ex = make_example([1, 2, 3], [4, 5], max_seq_len=8, loss_on_prompt=True)
+    assert ex["loss_mask"] == [False, True, True, True, True]
+
+
+def test_loss_mask_covers_exactly_the_assistant_tokens_smollm2(smollm2, tmp_path):
+    f = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Name a primary color."}, {"prompt": "Say hello in French."},
+                                           {"prompt": "What is 3 + 4?"}])
+    common = dict(responses_cfg={"max_new_tokens": 10, "batch_size": 2, "chunk_size": 2}, eval_prompts=1,
+                  cache_dir=tmp_path / "cache", seed=0)
+    ds, held = build_dataset([{"source": "file", "path": str(f)}], smollm2, max_seq_len=64, **common)
+    tok = smollm2.tokenizer
+    assert len(ds) == 2 and len(held) == 1 and held[0] not in ds["prompt"]
+    for row in ds:
+        ids, mask = row["input_ids"], row["loss_mask"]
+        first = mask.index(True)
+        assert first == row["prompt_len"] and all(mask[first:]) and not any(mask[:first])
+        prompt_text = tok.decode(ids[:first])
+        assert prompt_text.endswith("<|im_start|>user\n" + row["prompt"] + "<|im_end|>\n<|im_start|>assistant\n")
+        answer = tok.decode(ids[first:], skip_special_tokens=True)
+        assert answer == row["response"] and answer.strip()
+        assert "<|im_start|>" not in tok.decode(ids[first:])  # no template token leaked into the labels
+
+    # loss_on_prompt reuses the cached responses and marks every position but the first
+    ds2, _ = build_dataset([{"source": "file", "path": str(f)}], smollm2, max_seq_len=64, loss_on_prompt=True,
+                           **common)
+    assert ds2["input_ids"] == ds["input_ids"]
+    assert all(m == [False] + [True] * (len(m) - 1) for m in ds2["loss_mask"])
+
+
+def test_build_dataset_end_to_end_tiny_with_cache(tiny_target, tmp_path, monkeypatch):
+    f = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"{10 + i} {20 + i} {30 + i}"} for i in range(6)])
+    sources = [{"source": "magpie", "count": 6, "max_prompt_tokens": 8, "round_size": 8, "require_finished": False},
+               {"source": "file", "path": str(f)}]
+    kw = dict(responses_cfg={"max_new_tokens": 8, "batch_size": 4, "chunk_size": 4}, max_seq_len=96, eval_prompts=3,
+              cache_dir=tmp_path / "cache", seed=1)
+    ds, held = build_dataset(sources, tiny_target, **kw)
+    assert len(held) == 3 and len(ds) == 12 - 3
+    assert not set(held) & set(ds["prompt"])
+    assert ds["id"] == list(range(len(ds)))
+    for row in ds:
+        assert len(row["input_ids"]) == len(row["loss_mask"]) <= 96
+        assert any(row["loss_mask"]) and not any(row["loss_mask"][:row["prompt_len"]])
+    calls = _count_generate_calls(monkeypatch)
+    ds_again, held_again = build_dataset(sources, tiny_target, **kw)
+    assert calls == [] and held_again == held and ds_again.to_dict() == ds.to_dict()
+
+
+# ----------------------------------------------------------------------------------------------
+# hidden states
+# ----------------------------------------------------------------------------------------------
+
+
+def _token_dataset(n=7, seed=0, vocab=64):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    rows = {"id": [], "input_ids": [], "loss_mask": []}
+    for i in range(n):
+        L = int(torch.randint(5, 19, (1,), generator=g))
+        ex = make_example(torch.randint(0, vocab, (L,), generator=g).tolist(), [7, 8, 9], max_seq_len=20)
+        rows["id"].append(100 + i)
+        rows["input_ids"].append(ex["input_ids"])
+        rows["loss_mask"].append(ex["loss_mask"])
+    return Dataset.from_dict(rows)
+
+
+def _same_batches(xs, ys):
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), k
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_online_and_offline_batches_are_identical(tiny_target, tmp_path, dtype):
+    ds = _token_dataset()
+    layers = (1, 2, tiny_target.num_layers)
+    online = HiddenStateSource("online", tiny_target, layers, dtype=dtype)
+    offline = HiddenStateSource("offline", tiny_target, layers, cache_dir=tmp_path / "hs", dtype=dtype, shard_tokens=40)
+    offline.prepare(ds)
+    manifest = json.loads((tmp_path / "hs" / "manifest.json").read_text())
+    assert manifest["complete"] and len(manifest["shards"]) > 1
+    assert manifest["header"]["feature_layers"] == list(layers)
+    assert manifest["header"]["target"]["fingerprint"] == tiny_target.fingerprint()
+    assert sorted(i for s in manifest["shards"].values() for i in s["example_ids"]) == ds["id"]
+
+    a = list(online.batches(ds, 3, seed=5, epoch=2))
+    b = list(offline.batches(ds, 3, seed=5, epoch=2))
+    _same_batches(a, b)
+    want_dtype = dtype or tiny_target.dtype
+    assert a[0]["features"].dtype == want_dtype and a[0]["features"].shape[2:] == (3, tiny_target.hidden_size)
+
+    # one padded forward per batch (the GPU-friendly online option) agrees up to rounding
+    fast = list(HiddenStateSource("online", tiny_target, layers, dtype=dtype, online_batched=True).batches(
+        ds, 3, seed=5, epoch=2))
+    for x, y in zip(fast, a):
+        for k in x:
+            assert x[k].dtype == y[k].dtype and torch.allclose(x[k].double(), y[k].double(), atol=1e-5), k
+
+    # the stored tensors are the target's: features at HF hidden_states indices, last_hidden -> logits
+    row = 0
+    ids = a[0]["input_ids"][row, : int(a[0]["attention_mask"][row].sum())]
+    with torch.no_grad():
+        out = tiny_target.model(input_ids=ids[None], output_hidden_states=True)
+    n = ids.numel()
+    for k, layer in enumerate(layers):
+        assert torch.allclose(a[0]["features"][row, :n, k].double(), out.hidden_states[layer][0].double(), atol=1e-5)
+    logits = tiny_target.lm_head(a[0]["last_hidden"][row, :n].to(tiny_target.dtype))
+    assert torch.allclose(logits, out.logits[0], atol=1e-6)
+    # right padding: zeros and no attention / loss past each example's end
+    short = int(a[0]["attention_mask"].sum(1).argmin())
+    m = int(a[0]["attention_mask"][short].sum())
+    if m < a[0]["input_ids"].shape[1]:
+        assert not a[0]["loss_mask"][short, m:].any() and not a[0]["features"][short, m:].any()
+
+
+def test_batch_order_and_start_step_resume(tiny_target):
+    ds = _token_dataset(n=11)
+    src = HiddenStateSource("online", tiny_target, (1, 3))
+    full = list(src.batches(ds, 3, seed=1, epoch=0))
+    assert len(full) == src.num_batches(ds, 3) == 4
+    assert sorted(i for b in full for i in b["example_ids"].tolist()) == ds["id"]
+    _same_batches(list(src.batches(ds, 3, seed=1, epoch=0, start_step=2)), full[2:])
+    assert batch_order(11, 3, seed=1, epoch=0) == batch_order(11, 3, seed=1, epoch=0)
+    assert batch_order(11, 3, seed=1, epoch=1) != batch_order(11, 3, seed=1, epoch=0)
+    # two ranks split the epoch's batches between them
+    r0 = [b["example_ids"].tolist() for b in src.batches(ds, 3, seed=1, epoch=0, rank=0, world_size=2)]
+    r1 = [b["example_ids"].tolist() for b in src.batches(ds, 3, seed=1, epoch=0, rank=1, world_size=2)]
+    assert r0 + r1 != [] and sorted(sum(r0 + r1, [])) == ds["id"]
+
+
+def test_offline_prepare_resumes_and_refuses_other_targets(tiny_target, tmp_path, monkeypatch):
+    from safetensors import torch as st
+
+    ds = _token_dataset(n=8)
+    cache = tmp_path / "hs"
+    real_save = st.save_file
+    saved = []
+
+    def failing_save(tensors, path, metadata=None):
+        if len(saved) == 1:
+            raise KeyboardInterrupt("simulated kill")
+        saved.append(path)
+        return real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(st, "save_file", failing_save)
+    src = HiddenStateSource("offline", tiny_target, (1, 2), cache_dir=cache, shard_tokens=30)
+    with pytest.raises(KeyboardInterrupt):
+        src.prepare(ds, progress=False)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert not manifest["complete"] and list(manifest["shards"]) == ["0"]
+    with pytest.raises(RuntimeError, match="prepare"):
+        next(src.batches(ds, 2, seed=0, epoch=0))
+
+    saved.clear()
+    def counting_save(tensors, path, metadata=None):
+        saved.append(path)
+        return real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(st, "save_file", counting_save)
+    src.prepare(ds, progress=False)
+    n_shards = len(json.loads((cache / "manifest.json").read_text())["shards"])
+    assert len(saved) == n_shards - 1  # shard 0 was not recomputed
+    online = HiddenStateSource("online", tiny_target, (1, 2))
+    _same_batches(list(src.batches(ds, 3, seed=0, epoch=0)), list(online.batches(ds, 3, seed=0, epoch=0)))
+
+    with pytest.raises(ValueError, match="feature_layers"):
+        HiddenStateSource("offline", tiny_target, (1, 3), cache_dir=cache).prepare(ds, progress=False)
+    from tiny_models import tiny_llama
+
+    with pytest.raises(ValueError, match="target"):
+        HiddenStateSource("offline", tiny_llama(1), (1, 2), cache_dir=cache).prepare(ds, progress=False)
