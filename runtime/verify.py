@@ -195,7 +195,7 @@ def verify_sampling_tree(draft: Draft, target_probs: torch.Tensor,
     """
     _check(draft, target_probs)
     B, N = draft.tokens.shape
-    V, dtype, dev = target_probs.shape[-1], target_probs.dtype, target_probs.device
+    dtype, dev = target_probs.dtype, target_probs.device
     children = _children_table(draft.parents)
     R = children.shape[-1]
     depths = tree_depths(draft.parents)

@@ -662,7 +662,7 @@ def recipe_from_dict(data: Any, source: str = "<dict>", *, name: str | None = No
 
 def _cross_check(r: Recipe) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
-    s, t, d, tr, ln = r.speculator, r.target, r.data, r.training, r.launcher
+    s, t, d, tr = r.speculator, r.target, r.data, r.training
 
     if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", t.device):
         out.append(("target.device", f"{t.device!r} is not auto, cpu, mps, cuda or cuda:N"))

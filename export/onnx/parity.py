@@ -127,7 +127,7 @@ def _target_parity(target: TargetModel, path, feature_layers, shapes, batch: int
 def _eagle_parity(head, target: TargetModel, path, shapes, batch: int, seed: int, threads) -> dict:
     ort_head = OrtEagleHead(path, threads=threads)
     gen = torch.Generator().manual_seed(seed)
-    V, H, F = target.vocab_size, head.hidden_size, len(head.feature_layers)
+    V = target.vocab_size
     rows = []
     for T, P in shapes:
         # realistic inputs: fused features of real target hidden states

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
-import tempfile
-import uuid
 from pathlib import Path
 
 import torch
+
+from specfoundry.runtime.atomic import atomic_dir
 
 from ..identity import IDENTITY_NAME, ArtifactError, write_identity
 
@@ -76,25 +74,9 @@ def artifact_dir(out_dir, target, kind: str, fmt: str):
     Readers never see a half-written artifact. An existing ``out_dir`` is replaced only when it
     is empty or an earlier specfoundry artifact (has ``specfoundry_target.json``).
     """
-    out = Path(out_dir)
-    parent = out.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    if out.exists() and not (out.is_dir() and ((out / IDENTITY_NAME).exists() or not any(out.iterdir()))):
-        raise FileExistsError(f"{out} exists and is not a specfoundry artifact directory; refusing to replace it")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=parent))
-    try:
+    with atomic_dir(out_dir, lambda p: (p / IDENTITY_NAME).exists(), "a specfoundry artifact directory") as tmp:
         yield tmp
         write_identity(tmp, target, kind, fmt)
-        if out.exists():
-            old = parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def write_json(path: Path, obj: dict) -> None:

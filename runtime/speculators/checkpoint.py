@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-import uuid
 from pathlib import Path
 
-import torch
 from torch import nn
+
+from ..atomic import atomic_dir
 
 __all__ = [
     "CONFIG_NAME",
@@ -231,27 +229,12 @@ def save_speculator(module: nn.Module, path, target, training: dict | None = Non
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in module.state_dict().items()}
 
     path = Path(path)
-    parent = path.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() and not (path.is_dir() and ((path / CONFIG_NAME).exists() or not any(path.iterdir()))):
-        raise FileExistsError(f"{path} exists and is not a speculator checkpoint; refusing to replace it")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent))
-    try:
+    with atomic_dir(path, lambda p: (p / CONFIG_NAME).exists(), "a speculator checkpoint") as tmp:
         with open(tmp / CONFIG_NAME, "w", encoding="utf-8") as f:
             f.write(text + "\n")
             f.flush()
             os.fsync(f.fileno())
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "speculator_type": kind})
-        if path.exists():
-            old = parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 
