@@ -110,3 +110,28 @@ def test_greedy_exact_on_cuda(dtype):
             plain = gen.generate(prompt_ids=prompt, max_new_tokens=24, speculate=False)
             cmp = compare_greedy(target, prompt, spec.token_ids, plain.token_ids)
             assert cmp.ok, f"{label} {dtype}: {cmp}"
+
+
+def test_near_tie_bound_follows_the_dtype():
+    """A bf16 target resolves logits of ~20 only to ~0.125: a flip there is rounding; the same
+    gap in float32 is a real divergence."""
+    from specfoundry.runtime.lossless import compare_greedy
+
+    for dtype in (torch.bfloat16, torch.float32):
+        target = tiny_llama(0, dtype=dtype)
+        plain = SpeculativeGenerator(target).generate(prompt_ids=PROMPTS[0], max_new_tokens=6, speculate=False)
+        wrong = list(plain.token_ids)
+        # make the plain step's runner-up look like the spec choice, with a gap set by scaling
+        with torch.no_grad():
+            w = target.lm_head.weight
+            ctx = torch.tensor([PROMPTS[0] + plain.token_ids[:3]])
+            h = target.model.model(ctx).last_hidden_state[0, -1].to(torch.float64)
+            logits = h @ w.to(torch.float64).T
+            top = torch.topk(logits, 2)
+        wrong[3] = int(top.indices[1])
+        cmp = compare_greedy(target, PROMPTS[0], wrong, plain.token_ids)
+        assert cmp.first_divergence == 3
+        ulp = torch.finfo(dtype).eps * abs(float(top.values[0]))
+        assert cmp.near_tie == (cmp.top2_gap < max(1e-4, 2 * ulp))
+        if dtype == torch.float32:
+            assert not cmp.near_tie  # a runner-up of a random model is far beyond fp32 rounding
