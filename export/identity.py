@@ -87,17 +87,24 @@ def write_identity(directory, target, speculator_type: str, fmt: str) -> Path:
     return path
 
 
+def read_json(path, missing: str = "missing") -> dict:
+    """A JSON object from ``path``; :class:`ArtifactError` when missing, unreadable or not an object."""
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(f"{path}: {missing}")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ArtifactError(f"{path}: expected a JSON object")
+    return obj
+
+
 def read_identity(directory) -> dict:
     """The parsed record of an artifact directory; :class:`ArtifactError` when missing or malformed."""
     path = Path(directory) / IDENTITY_NAME
-    if not path.is_file():
-        raise ArtifactError(f"{path}: missing; not an artifact exported by specfoundry (cannot tell which target it is for)")
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(record, dict):
-        raise ArtifactError(f"{path}: expected a JSON object")
+    record = read_json(path, missing="missing; not an artifact exported by specfoundry (cannot tell which target it is for)")
     # train/ writes a bare {"target", "speculator_type"} beside draft models (it may not import
     # export/): accept it; anything claiming another format is refused
     if record.get("format", FORMAT) != FORMAT:

@@ -15,7 +15,7 @@ import torch
 
 from specfoundry.runtime.atomic import atomic_dir
 
-from ..identity import IDENTITY_NAME, ArtifactError, write_identity
+from ..identity import IDENTITY_NAME, ArtifactError, read_json, write_identity  # noqa: F401 (read_json re-exported)
 
 # ------------------------------------------------------------------------------ report entries
 
@@ -81,19 +81,6 @@ def artifact_dir(out_dir, target, kind: str, fmt: str):
 
 def write_json(path: Path, obj: dict) -> None:
     Path(path).write_text(json.dumps(obj, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-
-
-def read_json(path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ArtifactError(f"{path}: missing")
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise ArtifactError(f"{path}: expected a JSON object")
-    return obj
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> int:
