@@ -8,7 +8,7 @@ TARGET ?= smollm2-135m
 DRAFTER ?= ngram
 PYTEST_ARGS ?=
 
-.PHONY: venv train demo test test-slow test-gpu results clean export
+.PHONY: venv train demo test test-slow test-gpu results clean export bench
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -46,9 +46,18 @@ RUN ?=
 export: $(STAMP)
 	$(BIN)/specfoundry export $(RUN)
 
-# Re-measure the figures in docs/results.md (ngram drafter on SmolLM2-135M).
+# Re-measure the figures in docs/results.md (ngram drafter on SmolLM2-135M; a wrapper of specfoundry bench).
 results: $(STAMP)
 	$(BIN)/python tools/measure_runtime.py --prompts 12 --max-new-tokens 128
+
+# Benchmark harness: our methods and peers, interleaved per prompt, T=0 and T=1, on the built-in
+# prompt set or DATA (Spec-Bench/MT-bench/HumanEval/GSM8K JSONL); RUN=runs/<recipe> adds trained
+# speculators (space-separated for several). Writes runs/bench/<timestamp>/report.{json,md} + PNGs.
+# e.g. make bench RUN=runs/eagle3-smollm2-135m DATA=../shared/data/eval/spec_bench/question.jsonl BENCH_ARGS="--limit 10"
+DATA ?=
+BENCH_ARGS ?=
+bench: $(STAMP)
+	$(BIN)/specfoundry bench --target $(TARGET) $(foreach r,$(RUN),--run $(r)) $(foreach d,$(DATA),--data $(d)) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

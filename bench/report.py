@@ -1,0 +1,271 @@
+"""Aggregation, the ``report.json`` schema and ``report.md``.
+
+Per temperature and method (overall, and per ``dataset:category``): medians of wall clock,
+tokens/s and speed-up against plain decoding of the same prompt; pooled tau (new tokens per
+target forward), acceptance by draft position (pooled counts, see
+:class:`~specfoundry.bench.methods.RecordingDrafter`), drafted/accepted tokens, target forwards;
+and beside the measured tau the prediction from the measured per-position acceptance
+(:func:`~specfoundry.runtime.adaptive.expected_tokens`) and Leviathan et al.'s constant-alpha
+form (:func:`~specfoundry.runtime.adaptive.leviathan_tokens`) with the draft length ``k*`` that
+maximises ``E[tokens](k) / (1 + k c)`` for the measured draft/verify cost ratio ``c`` (where a
+different draft length would pay). At T=0: identical / near-tie / FAIL counts; any FAIL makes
+``passed`` false and is printed in red in the markdown.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from specfoundry.runtime.adaptive import expected_tokens, leviathan_tokens
+
+SCHEMA_ID = "specfoundry.bench/1"
+FAIL_MARK = '<span style="color:red">❌ FAIL</span>'
+
+# a small declarative schema: key -> type (or tuple of types); nested dicts are checked recursively
+_NUM = (int, float)
+_OPT_NUM = (int, float, type(None))
+SCHEMA = {
+    "schema": str, "created": str, "passed": bool,
+    "environment": {"python": str, "torch": str, "transformers": str, "platform": str, "machine": str,
+                    "cpu_count": int, "torch_threads": int, "git_commit": str},
+    "settings": {"target": str, "dtype": str, "temperatures": list, "max_new_tokens": int, "repeats": int,
+                 "seed": int, "stop_at_eos": bool, "datasets": list, "limit": (int, type(None))},
+    "methods": list, "unavailable": list, "errors": list, "records": list, "summary": dict, "failures": list,
+    "files": dict,
+}
+METHOD_SCHEMA = {"name": str, "label": str, "kind": str, "interleaved": bool, "check": str}
+RECORD_SCHEMA = {"temperature": _NUM, "repeat": int, "dataset": str, "category": str, "question_id": str, "turn": int,
+                 "method": str, "order": int, "new_tokens": int, "seconds": _NUM, "tokens_per_second": _NUM,
+                 "plain_seconds": _NUM, "speed_up": _OPT_NUM, "wall_ratio": _OPT_NUM, "check": dict}
+ROW_SCHEMA = {"n": int, "median_seconds": _NUM, "median_tokens_per_second": _NUM, "median_speed_up": _OPT_NUM,
+              "tau": _OPT_NUM, "acceptance_by_position": list, "drafted": _OPT_NUM, "accepted": _OPT_NUM,
+              "target_forwards": _OPT_NUM, "identical": int, "near_ties": int, "failures": int}
+
+
+def _check(obj, schema: dict, where: str, problems: list[str]) -> None:
+    if not isinstance(obj, dict):
+        problems.append(f"{where}: expected an object")
+        return
+    for key, typ in schema.items():
+        if key not in obj:
+            problems.append(f"{where}.{key}: missing")
+        elif isinstance(typ, dict):
+            _check(obj[key], typ, f"{where}.{key}", problems)
+        else:
+            types, v = (typ if isinstance(typ, tuple) else (typ,)), obj[key]
+            if isinstance(v, types) and not (isinstance(v, bool) and bool not in types):
+                continue
+            problems.append(f"{where}.{key}: expected {typ}, got {type(obj[key]).__name__}")
+
+
+def validate_report(report: dict) -> list[str]:
+    """Problems with ``report`` against the schema (empty when valid)."""
+    problems: list[str] = []
+    _check(report, SCHEMA, "report", problems)
+    if problems:
+        return problems
+    if report["schema"] != SCHEMA_ID:
+        problems.append(f"report.schema: expected {SCHEMA_ID!r}")
+    for i, m in enumerate(report["methods"]):
+        _check(m, METHOD_SCHEMA, f"methods[{i}]", problems)
+    names = {m.get("name") for m in report["methods"]}
+    for i, r in enumerate(report["records"]):
+        _check(r, RECORD_SCHEMA, f"records[{i}]", problems)
+        if r.get("method") not in names:
+            problems.append(f"records[{i}].method: {r.get('method')!r} is not a listed method")
+        if isinstance(r.get("check"), dict) and r["check"].get("status") not in ("identical", "near_tie", "FAIL", "differs", "n/a"):
+            problems.append(f"records[{i}].check.status: unknown {r['check'].get('status')!r}")
+    for tkey, block in report["summary"].items():
+        for part in ("overall", "by_category"):
+            if part not in block:
+                problems.append(f"summary[{tkey}].{part}: missing")
+        for name, row in block.get("overall", {}).items():
+            _check(row, ROW_SCHEMA, f"summary[{tkey}].overall[{name}]", problems)
+        for cat, rows in block.get("by_category", {}).items():
+            for name, row in rows.items():
+                _check(row, ROW_SCHEMA, f"summary[{tkey}].by_category[{cat}][{name}]", problems)
+    if report["passed"] != (not report["failures"]):
+        problems.append("report.passed must be true exactly when there are no failures")
+    return problems
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _sum(recs, key):
+    xs = [r[key] for r in recs if r.get(key) is not None]
+    return sum(xs) if xs else None
+
+
+def _pooled(recs, key) -> list[int]:
+    out: list[int] = []
+    for r in recs:
+        for i, v in enumerate(r.get(key) or []):
+            out.extend([0] * (i + 1 - len(out)))
+            out[i] += v
+    return out
+
+
+def predictions(acceptance: list[float], tried: list[int], passed: list[int], k: int | None, cost_ratio: float | None) -> dict:
+    """Predicted tokens per target forward at draft length ``k`` from the measured acceptance, the
+    Leviathan constant-alpha form, and the ``k*`` maximising ``E(k) / (1 + k c)``."""
+    if not k or not acceptance or not sum(tried):
+        return {"expected_tau": None, "alpha": None, "leviathan_tau": None, "best_k": None, "cost_ratio": cost_ratio}
+    acc = (acceptance + [0.0] * k)[:k]
+    alpha = sum(passed) / sum(tried)
+    best = None
+    if cost_ratio is not None:
+        best = max(range(1, 2 * k + 3), key=lambda j: leviathan_tokens(alpha, j) / (1 + j * cost_ratio))
+    return {"expected_tau": expected_tokens(acc, k), "alpha": alpha, "leviathan_tau": leviathan_tokens(alpha, k),
+            "best_k": best, "cost_ratio": cost_ratio}
+
+
+def summarize_rows(recs: list[dict], depth: int | None) -> dict:
+    tried, passed = _pooled(recs, "tried"), _pooled(recs, "passed")
+    acc = [p / t if t else 0.0 for p, t in zip(passed, tried)]
+    new, fwd = _sum(recs, "new_tokens"), _sum(recs, "target_forwards")
+    steps, dsec, vsec = _sum(recs, "speculative_steps"), _sum(recs, "draft_seconds"), _sum(recs, "verify_seconds")
+    cost = None
+    if steps and depth and dsec is not None and vsec and fwd:
+        cost = (dsec / steps / depth) / (vsec / fwd)  # one draft token vs one target forward
+    status = [r["check"].get("status") for r in recs]
+    row = {"n": len(recs), "median_seconds": _median([r["seconds"] for r in recs]),
+           "median_tokens_per_second": _median([r["tokens_per_second"] for r in recs]),
+           "median_speed_up": _median([r["speed_up"] for r in recs]),
+           "median_wall_ratio": _median([r["wall_ratio"] for r in recs]),
+           "tau": new / fwd if new is not None and fwd else None,
+           "acceptance_by_position": acc, "tried": tried, "passed": passed,
+           "drafted": _sum(recs, "drafted"), "accepted": _sum(recs, "accepted"), "target_forwards": fwd,
+           "new_tokens": new, "identical": status.count("identical"), "near_ties": status.count("near_tie"),
+           "failures": status.count("FAIL"), "differs": status.count("differs"),
+           "checked": sum(s not in ("n/a", None) for s in status)}
+    row.update(predictions(acc, tried, passed, depth, cost))
+    return row
+
+
+def summarize(records: list[dict], methods: list[dict]) -> dict:
+    """``{"T=<t>": {"overall": {method: row}, "by_category": {dataset:category: {method: row}}}}``."""
+    depth = {m["name"]: m.get("draft_depth") for m in methods}
+    out = {}
+    for T in sorted({r["temperature"] for r in records}):
+        recs = [r for r in records if r["temperature"] == T]
+        block = {"overall": {}, "by_category": {}}
+        for m in methods:
+            mine = [r for r in recs if r["method"] == m["name"]]
+            if not mine:
+                continue
+            block["overall"][m["name"]] = summarize_rows(mine, depth[m["name"]])
+            for cat in sorted({f"{r['dataset']}:{r['category']}" for r in mine}):
+                rows = [r for r in mine if f"{r['dataset']}:{r['category']}" == cat]
+                block["by_category"].setdefault(cat, {})[m["name"]] = summarize_rows(rows, depth[m["name"]])
+        out[f"T={T:g}"] = block
+    return out
+
+
+def failures_of(records: list[dict]) -> list[dict]:
+    return [{k: r[k] for k in ("temperature", "repeat", "dataset", "category", "question_id", "turn", "method")}
+            | {"first_divergence": r["check"].get("first_divergence"), "top2_gap": r["check"].get("top2_gap")}
+            for r in records if r["check"].get("status") == "FAIL"]
+
+
+def write_json(report: dict, path: Path) -> None:
+    problems = validate_report(report)
+    if problems:
+        raise ValueError("internal error, report does not match its schema: " + "; ".join(problems[:5]))
+    path.write_text(json.dumps(report, indent=1, default=float))
+
+
+# -- markdown ------------------------------------------------------------------------------
+def _f(x, fmt="{:.2f}", none="-"):
+    return none if x is None else fmt.format(x)
+
+
+def _acc(row) -> str:
+    return " ".join(f"{a:.2f}" for a in row["acceptance_by_position"]) or "-"
+
+
+def _check_cell(row) -> str:
+    if not row["checked"]:
+        return "n/a"
+    cell = f"{row['identical']}/{row['checked']}"
+    if row["near_ties"]:
+        cell += f" (+{row['near_ties']} near-tie)"
+    if row["differs"]:
+        cell += f" ({row['differs']} differ, informational)"
+    if row["failures"]:
+        cell += f" {FAIL_MARK} {row['failures']}"
+    return cell
+
+
+def to_markdown(report: dict) -> str:
+    env, st = report["environment"], report["settings"]
+    methods = {m["name"]: m for m in report["methods"]}
+    L = ["# specfoundry bench", ""]
+    verdict = ("**PASS**: every checked greedy output equals the reference (near-ties listed separately)"
+               if report["passed"] else f"{FAIL_MARK}: {len(report['failures'])} lossless violation(s), listed below")
+    L += [verdict, "",
+          f"Target `{st['target']}` ({st['dtype']}), {st['max_new_tokens']} new tokens, temperatures "
+          f"{', '.join(f'{t:g}' for t in st['temperatures'])}, {st['repeats']} repeat(s), seed {st['seed']}, "
+          f"{'stop at EOS' if st['stop_at_eos'] else 'EOS ignored'}; data: {', '.join(st['datasets'])}"
+          + (f" (first {st['limit']} per category)" if st["limit"] else "") + ".",
+          f"Machine: {env['platform']} ({env['machine']}, {env['cpu_count']} CPUs, {env['torch_threads']} torch threads); "
+          f"python {env['python']}, torch {env['torch']}, transformers {env['transformers']}; commit `{env['git_commit']}`; "
+          f"{report['created']}.", "",
+          "Methods run interleaved per prompt after a warm-up (plain first, the rest in a rotating order); speed-up = "
+          "time per token of plain decoding / of the method on the same prompt, median over prompts. tau = new tokens "
+          "per target forward (pooled). *pred.* = expected tokens per forward from the measured per-position "
+          "acceptance at the method's draft length; *Leviathan* = (1-a^(k+1))/(1-a) with the pooled a; *k\\** = the "
+          "draft length maximising E(k)/(1+k c) for the measured cost ratio c (draft token / target forward).", ""]
+    for tkey, block in report["summary"].items():
+        L += [f"## {tkey}: overall", "",
+              "| method | tok/s | wall s | speed-up | tau | pred. | Leviathan (a) | k / k* | acceptance by position | "
+              "drafted / accepted | target fwd | identical |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for name, row in block["overall"].items():
+            m = methods[name]
+            lev = f"{row['leviathan_tau']:.2f} ({row['alpha']:.2f})" if row["leviathan_tau"] is not None else "-"
+            kk = f"{m['draft_depth']} / {row['best_k']}" if row["best_k"] else _f(m.get("draft_depth"), "{}")
+            name_cell = f"`{name}`" + ("" if m["interleaved"] else " †")
+            L.append(f"| {name_cell} | {_f(row['median_tokens_per_second'], '{:.1f}')} | {_f(row['median_seconds'])} | "
+                     f"{_f(row['median_speed_up'], '{:.2f}x')} | {_f(row['tau'])} | {_f(row['expected_tau'])} | {lev} | {kk} | "
+                     f"{_acc(row)} | {_f(row['drafted'], '{}')} / {_f(row['accepted'], '{}')} | "
+                     f"{_f(row['target_forwards'], '{}')} | {_check_cell(row)} |")
+        cats = list(block["by_category"])
+        names = list(block["overall"])
+        L += ["", f"### {tkey}: speed-up (tau) by category", "",
+              "| category | " + " | ".join(f"`{n}`" for n in names) + " |", "|---|" + "---|" * len(names)]
+        for cat in cats:
+            cells = []
+            for n in names:
+                row = block["by_category"][cat].get(n)
+                cells.append("-" if row is None else f"{_f(row['median_speed_up'], '{:.2f}x')} ({_f(row['tau'])})"
+                             + (f" {FAIL_MARK}" if row["failures"] else ""))
+            L.append(f"| {cat} | " + " | ".join(cells) + " |")
+        L.append("")
+    L += ["## Methods", ""]
+    for m in report["methods"]:
+        L.append(f"- `{m['name']}`: {m['label']}" + (f" ({m['note']})" if m.get("note") else ""))
+    if any(not m["interleaved"] for m in report["methods"]):
+        L.append("- † not interleaved: a separate engine process run after the interleaved loop on the same prompt ids")
+    for u in report["unavailable"]:
+        L.append(f"- `{u['name']}`: {u['reason']}")
+    for e in report["errors"]:
+        L.append(f"- `{e['method']}` (T={e['temperature']:g}) failed: {' '.join(e['error'].split())[:300]}")
+    if report["failures"]:
+        L += ["", f"## {FAIL_MARK} lossless violations", "",
+              "| T | prompt | turn | method | first divergence | top-2 gap |", "|---|---|---|---|---|---|"]
+        for f in report["failures"]:
+            L.append(f"| {f['temperature']:g} | {f['dataset']}:{f['category']}:{f['question_id']} | {f['turn']} | "
+                     f"`{f['method']}` | {f['first_divergence']} | {_f(f['top2_gap'], '{:.2e}')} |")
+    near = [r for r in report["records"] if r["check"].get("status") == "near_tie"]
+    if near:
+        L += ["", "## Near-ties (rounding flips, not failures)", ""]
+        L += [f"- `{r['method']}` on {r['dataset']}:{r['question_id']} turn {r['turn']}: token {r['check']['first_divergence']}, "
+              f"top-2 gap {r['check']['top2_gap']:.2e}" for r in near]
+    if report["files"].get("plots"):
+        L += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in report["files"]["plots"]]
+    return "\n".join(L) + "\n"

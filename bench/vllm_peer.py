@@ -1,0 +1,89 @@
+"""vLLM peer for ``specfoundry bench`` (runs inside ``.venv-vllm``; imports no specfoundry).
+
+    python vllm_peer.py <request.json> <result.json>
+
+request: ``{"model", "dtype", "prompts": [[ids]], "max_tokens", "temperature", "seeds", "ignore_eos",
+"max_model_len", optional "speculator", "method", "k"}``. One warm-up generation, then each
+prompt alone (batch 1), timed; per-prompt spec-decode counters from vLLM's metrics. result:
+``{"results": [{"token_ids", "seconds", "stats"}], "startup_seconds", "version"}`` or ``{"error"}``.
+"""
+
+import json
+import sys
+import time
+import traceback
+
+
+def _counters(llm) -> dict:
+    out = {"drafts": 0, "drafted": 0, "accepted": 0, "per_pos": []}
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts" and isinstance(m, Counter):
+            out["drafts"] += m.value
+        elif m.name == "vllm:spec_decode_num_draft_tokens" and isinstance(m, Counter):
+            out["drafted"] += m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens" and isinstance(m, Counter):
+            out["accepted"] += m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos" and isinstance(m, Vector):
+            vals = list(m.values)
+            acc = out["per_pos"] + [0] * (len(vals) - len(out["per_pos"]))
+            out["per_pos"] = [a + b for a, b in zip(acc, vals)]
+    return out
+
+
+def main(request_path: str, result_path: str) -> int:
+    req = json.loads(open(request_path).read())
+    result = {}
+    try:
+        import vllm
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        result["version"] = vllm.__version__
+        kwargs = dict(model=req["model"], tokenizer=req["model"], dtype=req.get("dtype", "float32"), enforce_eager=True,
+                      max_model_len=int(req["max_model_len"]), seed=0, disable_log_stats=False, max_num_seqs=1)
+        if req.get("speculator"):
+            kwargs["speculative_config"] = {"method": req.get("method", "eagle3"), "model": req["speculator"],
+                                            "num_speculative_tokens": int(req["k"])}
+        t0 = time.perf_counter()
+        llm = LLM(**kwargs)
+        result["startup_seconds"] = time.perf_counter() - t0
+        T = float(req["temperature"])
+
+        def params(seed):
+            return SamplingParams(temperature=T, top_k=-1 if T > 0 else 1, top_p=1.0, seed=seed,
+                                  max_tokens=int(req["max_tokens"]), ignore_eos=bool(req["ignore_eos"]))
+
+        llm.generate([TokensPrompt(prompt_token_ids=list(req["prompts"][0]))], params(0), use_tqdm=False)  # warm-up
+        rows = []
+        for ids, seed in zip(req["prompts"], req["seeds"]):
+            before = _counters(llm) if req.get("speculator") else None
+            t0 = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params(int(seed)), use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            toks = list(out[0].outputs[0].token_ids)
+            stats = None
+            if before is not None:
+                after = _counters(llm)
+                drafts = after["drafts"] - before["drafts"]
+                per_pos = [a - (before["per_pos"][i] if i < len(before["per_pos"]) else 0)
+                           for i, a in enumerate(after["per_pos"])]
+                # per position d: tried = accepted at d-1 (drafts for d = 1), passed = accepted at d
+                tried = [drafts] + per_pos[:-1]
+                stats = {"drafted": after["drafted"] - before["drafted"], "accepted": after["accepted"] - before["accepted"],
+                         "target_forwards": drafts, "tried": tried, "passed": per_pos,
+                         "tau": len(toks) / drafts if drafts else None}
+            rows.append({"token_ids": toks, "seconds": seconds, "stats": stats})
+        result["results"] = rows
+    except BaseException as exc:  # the caller reports it
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()[-6000:]
+        open(result_path, "w").write(json.dumps(result))
+        return 1
+    open(result_path, "w").write(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

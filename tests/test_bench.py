@@ -1,0 +1,317 @@
+"""``specfoundry bench``: prompt loaders, a tiny-model run end to end (schema-valid report.json,
+report.md, non-empty PNGs), a planted non-lossless method flagged as a failure, speed-up ratios
+from interleaved per-prompt timings, and clear errors for bad input."""
+
+import json
+import string
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from specfoundry.bench.cli import write_report
+from specfoundry.bench.measure import run_bench
+from specfoundry.bench.methods import Method, MethodFactory, RunResult, generator_runner
+from specfoundry.bench.prompts import BUILTIN, load_prompts, select
+from specfoundry.bench.report import FAIL_MARK, summarize, validate_report
+from specfoundry.runtime import SpeculativeGenerator, load_target
+from specfoundry.runtime.cli import main as cli_main
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_EVAL = ROOT.parent / "shared" / "data" / "eval"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def tiny_chat_model_dir(path: Path, seed: int = 0) -> Path:
+    """A tiny random Llama with a character-level tokenizer and a chat template, saved as a local
+    HF directory, so the text-prompt path (chat template, HF generate peers) runs without a hub."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    for c in sorted(set(string.printable) - set("\x0b\x0c")):
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", bos_token="<|im_start|>")
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      initializer_range=0.5, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    fast.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tiny_chat_model_dir(tmp_path_factory.mktemp("tiny-chat") / "model")
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tiny_dir):
+    return load_target(str(tiny_dir), dtype=torch.float64)
+
+
+# -- prompts --------------------------------------------------------------------------------
+def test_builtin_prompt_set_covers_six_categories_of_eight():
+    prompts = load_prompts(None)
+    cats = {}
+    for p in prompts:
+        cats.setdefault(p.category, []).append(p)
+    assert {"conversation", "code", "math", "summarization", "translation", "retrieval_qa"} <= set(cats)
+    assert all(len(v) >= 8 for v in cats.values())
+    assert any(len(p.turns) == 2 for p in cats["conversation"])  # the multi-turn path is exercised
+    assert len({p.question_id for p in prompts}) == len(prompts)
+    assert all(p.dataset == "builtin" for p in prompts)
+    two = select(prompts, ["math", "builtin:code"], limit=3)
+    assert [p.category for p in two] == ["code"] * 3 + ["math"] * 3
+
+
+@pytest.mark.skipif(not SHARED_EVAL.is_dir(), reason="../shared/data/eval is absent")
+@pytest.mark.parametrize("name,category", [("spec_bench", "translation"), ("mt_bench", "writing"),
+                                           ("humaneval", "code"), ("gsm8k", "math")])
+def test_shared_eval_files_load(name, category):
+    prompts = load_prompts(SHARED_EVAL / name / "question.jsonl")
+    assert len(prompts) == (480 if name == "spec_bench" else 80)
+    assert all(p.dataset == name and p.turns and all(t.strip() for t in p.turns) for p in prompts)
+    assert category in {p.category for p in prompts}
+    if name in ("spec_bench", "mt_bench"):
+        assert any(len(p.turns) == 2 for p in prompts)
+
+
+def test_original_humaneval_gsm8k_and_plain_rows(tmp_path):
+    f = tmp_path / "mixed.jsonl"
+    rows = [{"task_id": "HumanEval/0", "prompt": "def f(x):\n    \"\"\"doc\"\"\"\n", "canonical_solution": "..."},
+            {"question": "What is 2+3?", "answer": "#### 5"},
+            {"prompt": "Say hi", "category": "chat", "id": "p1"},
+            {"conversations": [{"from": "human", "value": "Hello?"}, {"from": "gpt", "value": "Hi"}]}]
+    # a U+2028 inside a string must not split the row (lines split on \n only)
+    rows[2]["prompt"] = "Say\u2028hi"
+    f.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n")
+    ps = load_prompts(f)
+    assert [(p.category, p.question_id) for p in ps] == [("code", "HumanEval/0"), ("math", "1"), ("chat", "p1"),
+                                                         ("conversation", "3")]
+    assert ps[2].turns == ("Say\u2028hi",)
+
+
+@pytest.mark.parametrize("content,match", [
+    ('{"question_id": 1, "turns": ["a"]}\n{oops\n', r"bad\.jsonl:2: not valid JSON"),
+    ('{"question_id": 1, "turns": []}\n', r"bad\.jsonl:1: 'turns' must be a non-empty list"),
+    ('{"foo": 1}\n', r"bad\.jsonl:1: a row needs 'turns'"),
+    ('[1, 2]\n', r"bad\.jsonl:1: each row must be a JSON object"),
+    ('{"question_id": 1, "turns": ["a"]}\n{"question_id": 1, "turns": ["b"]}\n', "duplicate question id"),
+])
+def test_bad_prompt_rows_are_one_line_errors(tmp_path, content, match):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(content)
+    with pytest.raises(ValueError, match=match) as err:
+        load_prompts(f)
+    assert "\n" not in str(err.value)
+
+
+def test_prompt_selection_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_prompts(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="unknown category"):
+        select(load_prompts(None), ["poetry"])
+    with pytest.raises(ValueError, match="--limit"):
+        select(load_prompts(None), None, 0)
+
+
+# -- methods --------------------------------------------------------------------------------
+def test_method_specs_and_errors(tiny_chat, tmp_path):
+    f = MethodFactory(tiny_chat)
+    assert f.build("ngram:chain@3").name == "ngram:chain@3"
+    assert f.build("eagle3").name == "eagle3:dynamic@5"
+    assert "untrained random-init head" in f.build("medusa:static").label
+    assert "untrained layer-subset draft" in f.build("hf-assisted").label
+    for spec, match in [("nope", "unknown method 'nope'"), ("ngram:dynamic", "unknown shape 'dynamic'"),
+                        ("eagle3:chain@0", "draft depth must be >= 1"), ("plain:chain", "plain takes no shape"),
+                        ("vllm", "out-of-process peer"), ("bad spec!", "bad method spec")]:
+        with pytest.raises(ValueError, match=match):
+            f.build(spec)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        MethodFactory(tiny_chat, [tmp_path / "runs" / "nope"])
+    (tmp_path / "run" / "speculator").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="no speculator/config.json"):
+        MethodFactory(tiny_chat, [tmp_path / "run"])
+
+
+def test_draft_run_directory_becomes_the_draft_source(tiny_chat, tmp_path):
+    # a distilled-draft run holds an HF model directory in speculator/
+    tiny_chat.model.save_pretrained(tmp_path / "runs" / "draft-x" / "speculator")
+    f = MethodFactory(tiny_chat, [tmp_path / "runs" / "draft-x"])
+    assert f.sources["draft"].trained and "draft:adaptive" in f.default_specs()
+    assert "our distilled draft (draft-x)" in f.build("hf-assisted").label
+
+
+# -- end to end -----------------------------------------------------------------------------
+def test_tiny_bench_run_writes_valid_report_markdown_and_plots(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "bench"
+    methods = "plain,ngram:chain,ngram:adaptive,draft:chain@3,eagle3:dynamic,eagle3:chain@3,medusa:static"
+    rc = cli_main(["bench", "--target", str(tiny_dir), "--dtype", "float64", "--categories", "conversation,math",
+                   "--limit", "1", "--max-new-tokens", "10", "--temperature", "0", "1", "--methods", methods,
+                   "--peers", "hf,hf-lookup,hf-assisted,llamacpp", "--out", str(out), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert validate_report(report) == []
+    assert report["passed"] and report["failures"] == []
+    names = [m["name"] for m in report["methods"]]
+    assert names[0] == "plain" and {"hf", "hf-lookup@5", "hf-assisted", "eagle3:dynamic@5", "medusa:static@4"} <= set(names)
+    # conversation prompt 1 has two turns, math one: 3 turns x 2 temperatures per method
+    assert len(report["records"]) == len(names) * 3 * 2
+    assert any(u["name"] == "llamacpp" and "not installed" in u["reason"] for u in report["unavailable"]) or \
+        "llamacpp" in names
+    for r in report["records"]:
+        status = r["check"]["status"]
+        if r["temperature"] > 0 or r["method"] == "plain":
+            assert status == "n/a"
+        else:
+            assert status in ("identical", "near_tie"), r
+    for tkey in ("T=0", "T=1"):
+        block = report["summary"][tkey]
+        assert set(block["by_category"]) == {"builtin:conversation", "builtin:math"}
+        for name, row in block["overall"].items():
+            if name.split(":")[0] in ("ngram", "draft", "eagle3", "medusa"):
+                # pooled per-position counts are exact: their sum is the number of accepted tokens
+                assert sum(row["passed"]) == row["accepted"] and row["drafted"] >= row["accepted"]
+                assert row["tau"] == pytest.approx(row["new_tokens"] / row["target_forwards"])
+                assert row["expected_tau"] is not None and row["leviathan_tau"] is not None
+    assert report["summary"]["T=0"]["overall"]["plain"]["tau"] == 1.0
+    md = (out / "report.md").read_text()
+    assert "## T=0: overall" in md and "## T=1: overall" in md and "speed-up (tau) by category" in md
+    assert "builtin:conversation" in md and "Leviathan" in md and FAIL_MARK not in md
+    assert report["environment"]["git_commit"] and report["environment"]["torch"] == torch.__version__
+    pngs = sorted(out.glob("*.png"))
+    assert [p.name for p in pngs] == ["acceptance_by_position.png", "speedup_by_category.png", "tau_vs_draft_length.png"]
+    for p in pngs:
+        data = p.read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 5000
+
+
+class _AlteringGenerator(SpeculativeGenerator):
+    """A planted non-lossless generator: flips one emitted token of the real speculative output."""
+
+    def generate(self, *args, **kwargs):
+        out = super().generate(*args, **kwargs)
+        if out.token_ids:
+            i = min(3, len(out.token_ids) - 1)
+            out.token_ids[i] = (out.token_ids[i] + 1) % self.target.vocab_size
+        return out
+
+
+def _methods(target):
+    f = MethodFactory(target)
+    planted = Method("planted", "ngram with one altered token", "ours",
+                     generator_runner(_AlteringGenerator(target, f._drafter(f.sources["ngram"], "chain", 3), adaptive=False)),
+                     draft_depth=3)
+    return f, planted
+
+
+def test_planted_non_lossless_method_is_flagged(tiny_chat, tmp_path):
+    f, planted = _methods(tiny_chat)
+    prompts = select(load_prompts(None), ["code", "math"], limit=1)
+    methods = [f.plain(), f.build("ngram:chain@3"), planted]
+    raw = run_bench(tiny_chat, prompts, methods, temperatures=[0.0], max_new_tokens=8, progress=False)
+    described = [m.describe() for m in methods]
+    rc = write_report(tmp_path, raw, described, [], {
+        "target": "tiny", "dtype": "float64", "temperatures": [0.0], "max_new_tokens": 8, "repeats": 1, "seed": 0,
+        "stop_at_eos": True, "datasets": ["builtin"], "limit": 1})
+    assert rc == 1
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert validate_report(report) == []
+    assert report["passed"] is False
+    assert {x["method"] for x in report["failures"]} == {"planted"} and len(report["failures"]) == 2
+    assert all(x["first_divergence"] is not None and x["first_divergence"] <= 3 for x in report["failures"])
+    assert report["summary"]["T=0"]["overall"]["planted"]["failures"] == 2
+    assert report["summary"]["T=0"]["overall"]["ngram:chain@3"]["failures"] == 0
+    md = (tmp_path / "report.md").read_text()
+    assert 'style="color:red"' in md and "FAIL" in md and "lossless violations" in md
+    assert md.count(FAIL_MARK) >= 3  # verdict, table cell, section heading
+    assert "| `planted` |" in md
+
+
+def test_speed_up_is_computed_from_interleaved_per_prompt_timings(tiny_chat):
+    f, _ = _methods(tiny_chat)
+    plain = f.plain()
+
+    def fixed(prompt_ids, max_new_tokens, temperature, seed, stop_at_eos):
+        out = plain.runner(prompt_ids, max_new_tokens, temperature, seed, stop_at_eos)
+        return RunResult(out.token_ids, 0.25, None)  # a known wall clock
+
+    methods = [plain, Method("fixed", "plain tokens, 0.25 s", "peer", fixed, draft_depth=0), f.build("ngram:chain@2")]
+    prompts = select(load_prompts(None), ["code", "translation", "math"], limit=1)
+    raw = run_bench(tiny_chat, prompts, methods, temperatures=[0.0], max_new_tokens=6, progress=False)
+    recs = raw["records"]
+    units = {}
+    for r in recs:
+        units.setdefault((r["question_id"], r["turn"]), {})[r["method"]] = r
+    assert len(units) == 3
+    slots = []
+    for unit in units.values():
+        orders = sorted(r["order"] for r in unit.values())
+        assert orders == list(range(orders[0], orders[0] + 3))  # one contiguous block per prompt: interleaved
+        assert unit["plain"]["order"] == orders[0]  # plain first
+        slots.append(unit["fixed"]["order"] - orders[0])
+        p, fx = unit["plain"], unit["fixed"]
+        assert fx["plain_seconds"] == p["seconds"]  # the same prompt's plain timing
+        assert fx["speed_up"] == pytest.approx((p["seconds"] / p["new_tokens"]) / (0.25 / fx["new_tokens"]))
+        assert fx["wall_ratio"] == pytest.approx(p["seconds"] / 0.25)
+        assert p["speed_up"] == pytest.approx(1.0)
+    assert len(set(slots)) == 2  # the order of the other methods rotates between prompts
+    row = summarize(recs, [m.describe() for m in methods])["T=0"]["overall"]["fixed"]
+    import statistics
+
+    assert row["median_speed_up"] == pytest.approx(statistics.median(u["fixed"]["speed_up"] for u in units.values()))
+
+
+def test_cli_errors_are_one_line(tiny_dir, tmp_path, capsys):
+    base = ["bench", "--target", str(tiny_dir), "--dtype", "float64", "--out", str(tmp_path / "o"), "--no-progress"]
+    for extra, msg in [(["--methods", "plain,warp"], "unknown method 'warp'"),
+                       (["--peers", "ollama"], "unknown peer 'ollama'"),
+                       (["--data", str(tmp_path / "none.jsonl")], "does not exist"),
+                       (["--run", str(tmp_path / "runs" / "x")], "does not exist"),
+                       (["--categories", "poetry"], "unknown category"),
+                       (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1")]:
+        assert cli_main(base + extra) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err and msg in err[-1] and err[-1].startswith("specfoundry: error:")
+
+
+def test_validator_rejects_broken_reports():
+    assert validate_report({})  # everything missing
+    good_row = {"n": 1, "median_seconds": 1.0, "median_tokens_per_second": 1.0, "median_speed_up": 1.0, "tau": 1.0,
+                "acceptance_by_position": [], "drafted": 0, "accepted": 0, "target_forwards": 1, "identical": 0,
+                "near_ties": 0, "failures": 0}
+    report = {"schema": "specfoundry.bench/1", "created": "x", "passed": True,
+              "environment": {"python": "3", "torch": "2", "transformers": "5", "platform": "p", "machine": "m",
+                              "cpu_count": 2, "torch_threads": 1, "git_commit": "abc"},
+              "settings": {"target": "t", "dtype": "float32", "temperatures": [0.0], "max_new_tokens": 1, "repeats": 1,
+                           "seed": 0, "stop_at_eos": True, "datasets": ["builtin"], "limit": None},
+              "methods": [{"name": "plain", "label": "p", "kind": "plain", "interleaved": True, "check": "strict"}],
+              "unavailable": [], "errors": [], "records": [], "summary": {"T=0": {"overall": {"plain": good_row},
+                                                                            "by_category": {}}},
+              "failures": [], "files": {}}
+    assert validate_report(report) == []
+    report["passed"] = False
+    assert any("passed" in p for p in validate_report(report))
+    report["passed"] = True
+    report["summary"]["T=0"]["overall"]["plain"] = {**good_row, "tau": "fast"}
+    assert any("tau" in p for p in validate_report(report))
+
+
+def test_bench_is_packaged_with_its_entry_point_and_data():
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    st = cfg["tool"]["setuptools"]
+    assert "specfoundry.bench" in st["packages"] and st["package-dir"]["specfoundry.bench"] == "bench"
+    assert "data/*.jsonl" in st["package-data"]["specfoundry.bench"]
+    assert cfg["project"]["entry-points"]["specfoundry.commands"]["bench"] == "specfoundry.bench.cli:register"
+    assert BUILTIN.is_file() and BUILTIN.parent.parent == ROOT / "bench"
+    assert not any(p.is_dir() and any(p.glob("*.py")) and not (p / "__init__.py").exists() for p in (ROOT / "bench").rglob("*"))
