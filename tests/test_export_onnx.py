@@ -351,3 +351,21 @@ def test_smollm2_plugin_export_runs_in_onnxruntime(smollm2, tmp_path):
                            feature_layers=head.feature_layers)
     assert (got.logits - want.logits).abs().max() <= 1e-4 * want.logits.abs().max()
     assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+
+
+def test_engine_profiles_resolve_every_plugin_graph_input(exported):
+    """The TensorRT builder's profile shapes cover every input of the three plugin graphs
+    (target, EAGLE step, EAGLE fusion) from their exported dim names alone."""
+    from specfoundry.export.trt import engine
+
+    onnx_dir = Path(exported["out_dir"])
+    prof = engine._normalise_profiles({"batch": (1, 1, 2), "tree_tokens": (1, 8, 32), "past": (0, 16, 64)})[0]
+    for name in engine.MODELS.values():
+        dims = engine.onnx_input_dims(onnx_dir / name)
+        shapes = engine.profile_shapes(dims, prof)
+        assert set(shapes) == set(dims)
+        for lo, opt, hi in shapes.values():
+            assert all(a <= b <= c for a, b, c in zip(lo, opt, hi))
+    fuse = engine.profile_shapes(engine.onnx_input_dims(onnx_dir / engine.MODELS["speculator_fuse"]), prof)
+    (lo, opt, hi), = fuse.values()
+    assert lo[:2] == (1, 1) and opt[:2] == (1, 8) and hi[:2] == (2, 32)  # batch, tree tokens

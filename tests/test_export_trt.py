@@ -314,7 +314,7 @@ def test_build_engines_with_tensorrt(tmp_path):
         (onnx_dir / name).write_bytes(one_node_model("float16", 0.125, 64, 4, 2).SerializeToString())
     manifest = engine.build_engines(onnx_dir, tmp_path / "trt",
                                     profiles={"batch": (1, 1, 2), "tree_tokens": (1, 8, 32), "past": (0, 16, 64)})
-    assert set(manifest["engines"]) == {"target", "speculator"}
+    assert set(manifest["engines"]) == {"target", "speculator", "speculator_fuse"}
     assert (tmp_path / "trt" / "target.engine").stat().st_size > 0
 
 

@@ -351,6 +351,19 @@ def test_online_and_offline_batches_are_identical(tiny_target, tmp_path, dtype):
         for k in x:
             assert x[k].dtype == y[k].dtype and torch.allclose(x[k].double(), y[k].double(), atol=1e-5), k
 
+    # batched offline capture (length-sorted padded forwards): the same values up to rounding,
+    # and a manifest header of its own so the two captures never mix in one cache
+    grouped = HiddenStateSource("offline", tiny_target, layers, cache_dir=tmp_path / "hs4", dtype=dtype,
+                                shard_tokens=40, capture_batch_size=4)
+    grouped.prepare(ds, progress=False)
+    for x, y in zip(grouped.batches(ds, 3, seed=5, epoch=2), a):
+        for k in x:
+            assert x[k].dtype == y[k].dtype and torch.allclose(x[k].double(), y[k].double(), atol=1e-5), k
+    assert json.loads((tmp_path / "hs4" / "manifest.json").read_text())["header"]["capture_batch_size"] == 4
+    with pytest.raises(ValueError, match="computed for something else"):
+        HiddenStateSource("offline", tiny_target, layers, cache_dir=tmp_path / "hs", dtype=dtype,
+                          shard_tokens=40, capture_batch_size=4).prepare(ds, progress=False)
+
     # the stored tensors are the target's: features at HF hidden_states indices, last_hidden -> logits
     row = 0
     ids = a[0]["input_ids"][row, : int(a[0]["attention_mask"][row].sum())]

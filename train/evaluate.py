@@ -16,9 +16,9 @@ BUILTIN_HELDOUT = "builtin-heldout"
 
 def evaluate_speculator(target, drafter, prompt_sets: dict[str, list[str]], *, temperatures=(0.0, 1.0),
                         max_new_tokens: int = 128, depth: int = 5, baseline: bool = True,
-                        max_minutes: float | None = None, seed: int = 0) -> dict:
+                        max_minutes: float | None = None, seed: int = 0, adaptive: bool = True) -> dict:
     """``{set: {"T=<t>": {tau, acceptance_by_position, identical (T=0), speedup, n}}}``."""
-    gen = SpeculativeGenerator(target, drafter, max_depth=depth)
+    gen = SpeculativeGenerator(target, drafter, max_depth=depth, adaptive=adaptive)
     deadline = time.perf_counter() + max_minutes * 60 if max_minutes else None
     out: dict = {}
     for name, prompts in prompt_sets.items():

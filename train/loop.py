@@ -41,13 +41,17 @@ class LoopConfig:
     micro_batch_size: int = 1  # per process; fills DeepSpeed's "auto" (we feed batches, not a DataLoader)
 
 
-def make_scheduler(optimizer, cfg: LoopConfig):
+def make_scheduler(optimizer, cfg: LoopConfig, horizon: dict | None = None):
+    """Warm-up then decay to 0 at ``horizon["steps"]`` (read at every step, so a time-budgeted
+    run can shorten it; default ``cfg.max_steps``)."""
+    horizon = horizon if horizon is not None else {"steps": cfg.max_steps}
+
     def factor(step: int) -> float:
         if cfg.warmup_steps and step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
         if cfg.scheduler == "constant":
             return 1.0
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, horizon["steps"] - cfg.warmup_steps))
         if cfg.scheduler == "linear":
             return 1.0 - progress
         if cfg.scheduler == "cosine":
@@ -110,7 +114,8 @@ def train_loop(
         conf.pop("train_batch_size", None) if conf.get("train_batch_size") == "auto" else None
     params = [p for p in method.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    scheduler = make_scheduler(optimizer, cfg)
+    horizon = {"steps": cfg.max_steps}
+    scheduler = make_scheduler(optimizer, cfg, horizon)
     method, optimizer, scheduler = accelerator.prepare(method, optimizer, scheduler)
 
     state = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "tokens": 0, "seconds": 0.0}
@@ -121,14 +126,17 @@ def train_loop(
         accelerator.load_state(str(ckpt))
         state = json.loads((ckpt / "trainer_state.json").read_text())
         accelerator.print(f"[train] resumed from {ckpt} (step {state['global_step']})")
+    horizon["steps"] = state.setdefault("max_steps", cfg.max_steps)
 
     method.train()
     t_start = time.perf_counter() - state["seconds"]
+    t_run = time.perf_counter()
     history: list[dict] = []
     bar = tqdm(total=cfg.max_steps, initial=state["global_step"], desc="train", disable=not accelerator.is_main_process)
     stopped_by_time = False
     steps_this_run = 0
-    while state["global_step"] < cfg.max_steps:
+    fit_at = max(cfg.warmup_steps, 10) + 10  # steps measured before fitting the schedule to the budget
+    while state["global_step"] < horizon["steps"]:
         got_batch = False
         for batch in batches(state["epoch"], state["step_in_epoch"]):
             got_batch = True
@@ -146,6 +154,16 @@ def train_loop(
             state["tokens"] += int(batch["attention_mask"].sum())
             state["seconds"] = time.perf_counter() - t_start
             bar.update(1)
+            if cfg.max_minutes and steps_this_run == fit_at and not state.get("fitted"):
+                # a time budget that ends the run early would stop the decay mid-way at a high
+                # learning rate: shrink the schedule (once) to the steps the budget holds
+                per_step = (time.perf_counter() - t_run) / steps_this_run
+                fits = state["global_step"] + int(0.97 * (cfg.max_minutes * 60 - state["seconds"]) / per_step)
+                if fits < horizon["steps"]:
+                    horizon["steps"] = state["max_steps"] = max(fits, state["global_step"] + 1)
+                    bar.total = horizon["steps"]
+                    accelerator.print(f"[train] {cfg.max_minutes:g} min budget: schedule fitted to {fits} steps")
+                state["fitted"] = True
             if state["global_step"] % cfg.log_every == 0 or state["global_step"] == 1:
                 logs = {**metrics, "lr": scheduler.get_last_lr()[0], "epoch": state["epoch"],
                         "tokens": state["tokens"], "tokens_per_s": state["tokens"] / max(state["seconds"], 1e-9)}
@@ -160,9 +178,9 @@ def train_loop(
             if cfg.max_minutes and state["seconds"] > cfg.max_minutes * 60:
                 stopped_by_time = True
                 break
-            if state["global_step"] >= cfg.max_steps:
+            if state["global_step"] >= horizon["steps"]:
                 break
-        if stopped_by_time or state["global_step"] >= cfg.max_steps:
+        if stopped_by_time or state["global_step"] >= horizon["steps"]:
             break
         if not got_batch and state["step_in_epoch"] == 0:
             raise ValueError("the training data produced no batch")

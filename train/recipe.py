@@ -279,6 +279,9 @@ class DataConfig:
     cache_dir: str | None = None
     # wall budget for data generation; stops early and trains on what exists (None: no cap)
     max_minutes: float | None = _f(None, gt=0)
+    # offline capture: sequences per target forward (1: one unpadded forward each, bit-identical
+    # to online; > 1: length-sorted padded batches, same values up to rounding, ~2x faster on CPU)
+    capture_batch_size: int = _f(1, ge=1)
 
 
 @dataclass(kw_only=True)
@@ -359,6 +362,14 @@ class EvaluationConfig:
     temperatures: list[float] = _f([0.0, 1.0])
     # draft depth k (tokens proposed per step)
     depth: int = _f(5, ge=1)
+    # EAGLE drafters: "dynamic" (EAGLE-2 tree) or "chain"; tree size including the root, and
+    # children per expanded node (None: the drafter's defaults)
+    tree: Literal["dynamic", "chain"] | None = None
+    total_tokens: int | None = _f(None, ge=2)
+    top_k: int | None = _f(None, ge=1)
+    # let the runtime pick the depth per step from measured acceptance and costs; off gives the
+    # fixed draft shape above, so tau measures the speculator rather than the controller
+    adaptive: bool = True
     # also decode without speculation, for the speedup ratio
     baseline: bool = True
     # wall budget for evaluation (None: no cap)

@@ -27,7 +27,10 @@ import operator
 import time
 from pathlib import Path
 
-MODELS = {"target": "target.plugin.onnx", "speculator": "speculator.plugin.onnx"}
+MODELS = {"target": "target.plugin.onnx", "speculator": "speculator.plugin.onnx",
+          # EAGLE heads only: the feature fusion (features [B,T,F,H] -> hidden), built when exported
+          "speculator_fuse": "speculator.plugin.fuse.onnx"}
+OPTIONAL_MODELS = ("speculator_fuse",)
 
 # (min, opt, max) per profile axis. past may be 0 (a first verification right after an empty cache).
 DEFAULT_PROFILES = {"batch": (1, 1, 4), "tree_tokens": (1, 16, 64), "past": (0, 512, 2048)}
@@ -189,6 +192,7 @@ INPUT_ROLES = {
     "input_ids": {0: "batch", 1: "tree_tokens"},
     "position_ids": {0: "batch", 1: "tree_tokens"},
     "hidden": {0: "batch", 1: "tree_tokens"},
+    "features": {0: "batch", 1: "tree_tokens"},
     "tree_mask": {0: "batch", 1: "tree_tokens", 2: "(tree_tokens + 31) // 32"},
     "past_key_values.*": {0: "batch", 2: "past"},
 }
@@ -287,8 +291,9 @@ def _build_one(trt, onnx_path: Path, engine_path: Path, profiles: list[dict], di
 
 def build_engines(onnx_dir, out_dir, profiles=None, *, dim_symbols: dict | None = None, aot: bool = True,
                   workspace_gib: float = 4.0, models=tuple(MODELS)) -> dict:
-    """Build ``<out_dir>/<model>.engine`` for each of ``models`` ('target', 'speculator') from
-    ``<onnx_dir>/<model>.plugin.onnx``; write ``<out_dir>/engines.json``; return that manifest.
+    """Build ``<out_dir>/<model>.engine`` for each of ``models`` ('target', 'speculator', and
+    'speculator_fuse' where ``speculator.plugin.fuse.onnx`` exists, i.e. for EAGLE heads) from
+    their ONNX graphs; write ``<out_dir>/engines.json``; return that manifest.
 
     ``profiles``: one dict or a list of dicts, axis ('batch', 'tree_tokens', 'past') -> (min, opt, max)
     (missing axes take DEFAULT_PROFILES). ``aot``: use the plugin's AOT kernel (engine runs without
@@ -297,7 +302,8 @@ def build_engines(onnx_dir, out_dir, profiles=None, *, dim_symbols: dict | None 
     onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
     profiles = _normalise_profiles(profiles)
     trt = check_available(onnx_dir, out_dir)
-    missing = [MODELS[m] for m in models if not (onnx_dir / MODELS[m]).is_file()]
+    missing = [MODELS[m] for m in models if m not in OPTIONAL_MODELS and not (onnx_dir / MODELS[m]).is_file()]
+    models = [m for m in models if (onnx_dir / MODELS[m]).is_file()]
     if missing:
         raise FileNotFoundError(f"{onnx_dir} lacks {', '.join(missing)} (export them with --formats onnx)")
 
