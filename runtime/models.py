@@ -98,8 +98,24 @@ def load_target(name_or_path: str = DEFAULT_TARGET, device: str | torch.device =
     """Load a target: a built-in name (``smollm2-135m``) or a local HF causal-LM directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    adapter = Path(name_or_path).expanduser()
+    if (adapter / "adapter_config.json").exists() and (adapter / "specfoundry_base.json").exists():
+        return _load_adapter_target(adapter, device, dtype, attn_implementation)
     path, display = resolve_target_path(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
     return TargetModel(model, tokenizer, name=display)
+
+
+def _load_adapter_target(adapter: Path, device, dtype, attn_implementation) -> TargetModel:
+    """A peft LoRA adapter written by a Medusa-2 run (``merge: false``): its base target with the
+    adapter merged in, i.e. the model the run's heads were trained for."""
+    import json
+
+    from peft import PeftModel
+
+    base = json.loads((adapter / "specfoundry_base.json").read_text())["base"]
+    t = load_target(base, device=device, dtype=torch.float32, attn_implementation=attn_implementation)
+    merged = PeftModel.from_pretrained(t.model, str(adapter)).merge_and_unload().to(device, dtype)
+    return TargetModel(merged, t.tokenizer, name=f"{base}+{adapter.name}")

@@ -175,17 +175,24 @@ class TargetModel(ChatTokenizerMixin):
         return ids
 
     def fingerprint(self) -> str:
-        """A short hash of the embedding matrix, the identity a speculator checkpoint records.
+        """A short hash of the weights, the identity a speculator checkpoint records.
 
-        Hashes a fixed subset of rows cast to bfloat16, so an fp32 and a bf16 copy of the same
-        target agree while a different model (or vocabulary) does not.
+        Hashes the embedding's shape and a fixed subset of its rows plus a strided sample of
+        every parameter, all cast to bfloat16: an fp32 and a bf16 copy of one target agree,
+        while another model, or a fine-tuned copy with the same embedding (Medusa-2's LoRA
+        backbone), does not.
         """
         if self._fingerprint is None:
-            w = self.embed_tokens.weight.detach()
-            rows = torch.linspace(0, w.shape[0] - 1, steps=min(256, w.shape[0])).long()
-            sample = w[rows.to(w.device)].to("cpu", torch.bfloat16).contiguous()
-            h = hashlib.sha256(str(tuple(w.shape)).encode())
-            h.update(sample.view(torch.int16).numpy().tobytes())
+            with torch.no_grad():
+                w = self.embed_tokens.weight.detach()
+                rows = torch.linspace(0, w.shape[0] - 1, steps=min(256, w.shape[0])).long()
+                h = hashlib.sha256(str(tuple(w.shape)).encode())
+                h.update(w[rows.to(w.device)].to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+                for name, p in self.model.named_parameters():
+                    flat = p.detach().reshape(-1)
+                    sample = flat[:: max(1, flat.numel() // 256)][:256].to("cpu", torch.bfloat16).contiguous()
+                    h.update(f"{name}{tuple(p.shape)}".encode())
+                    h.update(sample.view(torch.int16).numpy().tobytes())
             self._fingerprint = h.hexdigest()[:16]
         return self._fingerprint
 

@@ -93,3 +93,37 @@ def test_deepspeed_two_processes_on_cpu(tmp_path, tiny_target_dir, stage):
     ckpt = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))[-1]
     assert len(list(ckpt.rglob("*rank_1*"))) >= 1, sorted(p.name for p in ckpt.rglob("*"))
     assert summary["steps"] == 4
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_medusa2_run_saves_its_backbone_and_heads_for_it(tmp_path, tiny_target_dir, monkeypatch, merge):
+    """Medusa-2 fine-tunes the backbone: the run writes it (merged dir or peft adapter), the heads
+    record *its* identity, load losslessly with it and are refused with the original target."""
+    from specfoundry.runtime.speculators import TargetMismatchError
+    from specfoundry.train.run import main
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    path = _recipe(tmp_path, tiny_target_dir, hidden_states="online")
+    recipe = yaml.safe_load(path.read_text())
+    recipe.update(name="tiny-medusa2", method="medusa2")
+    recipe["speculator"] = {"num_heads": 2, "lora": {"r": 4, "alpha": 8, "dropout": 0.0}, "merge": merge,
+                            "heads_warmup_steps": 1}
+    recipe["training"]["learning_rate"] = 5e-2  # large enough that the merged weights visibly move
+    path.write_text(yaml.safe_dump(recipe))
+    assert main([str(path)]) == 0
+    run = tmp_path / "run"
+    backbone_dir = run / ("target" if merge else "adapter")
+    assert backbone_dir.is_dir() and not (run / ("adapter" if merge else "target")).exists()
+    base = load_target(str(tiny_target_dir))
+    tuned = load_target(str(backbone_dir))
+    assert tuned.fingerprint() != base.fingerprint()
+    cfg = read_config(run / "speculator")
+    assert cfg["speculator_type"] == "medusa" and cfg["target"]["fingerprint"] == tuned.fingerprint()
+    gen = SpeculativeGenerator(tuned, load_drafter(str(run / "speculator"), target=tuned), adaptive=False)
+    spec = gen.generate(prompt="Hello there", max_new_tokens=12, stop_at_eos=False)
+    assert spec.token_ids == gen.generate(prompt="Hello there", max_new_tokens=12, stop_at_eos=False,
+                                          speculate=False).token_ids
+    with pytest.raises(TargetMismatchError):
+        load_drafter(str(run / "speculator"), target=base)
+    summary = json.loads((run / "train_summary.json").read_text())
+    assert summary["measured"]["builtin-heldout"]["T=0"]["identical_rate"] == 1.0

@@ -8,7 +8,7 @@ from tiny_models import tiny_llama
 from specfoundry.runtime import SpeculativeGenerator, load_drafter
 from specfoundry.runtime.drafters.draft import DraftModelDrafter, layer_subset_model
 from specfoundry.runtime.speculators import EagleHead, Eagle3Head, MedusaHeads, save_speculator
-from specfoundry.train.methods import DraftKDMethod, Eagle1Method, Eagle3Method, MedusaMethod
+from specfoundry.train.methods import DraftKDMethod, Eagle1Method, Eagle3Method, Medusa2Method, MedusaMethod
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -76,3 +76,41 @@ def test_draft_distillation_trains_and_stays_lossless(kd_loss, tmp_path):
     _fit(method, _batch(target, [target.num_layers]), steps=30, lr=1e-3)
     draft.model.eval().save_pretrained(tmp_path / "draft")
     _lossless(target, load_drafter(str(tmp_path / "draft"), target=target), max_depth=3)
+
+
+def test_medusa2_warms_up_the_heads_then_trains_the_lora_jointly(tmp_path):
+    from types import SimpleNamespace
+
+    from specfoundry.train.methods.medusa2 import lora_backbone, merged_backbone
+
+    target = tiny_llama(0, dtype=torch.float32)
+    heads = MedusaHeads.from_target(target, num_heads=2)
+    backbone = lora_backbone(target, SimpleNamespace(r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    trainable = {n for n, p in backbone.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    method = Medusa2Method(backbone, heads, target.lm_head, heads_warmup_steps=3)
+    batch = _batch(target, heads.feature_layers)
+    lora = lambda: [p.detach().clone() for n, p in backbone.named_parameters() if "lora_B" in n]
+    opt = torch.optim.AdamW([p for p in method.parameters() if p.requires_grad], lr=3e-3)
+    before = lora()
+    for step in range(3):  # warm-up: the heads alone (LoRA B starts at zero and stays there)
+        loss, m = method(batch)
+        assert m["warmup"] == 1.0 and "loss/lm_kl" not in m
+        opt.zero_grad(); loss.backward(); opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, lora()))
+    first = None
+    for step in range(30):
+        loss, m = method(batch)
+        assert m["warmup"] == 0.0 and m["loss/lm_kl"] >= 0
+        first = first if first is not None else loss.item()
+        opt.zero_grad(); loss.backward(); opt.step()
+    assert loss.item() < 0.75 * first
+    assert any(not torch.equal(a, b) for a, b in zip(before, lora()))
+    assert int(method.step) == 33 and "step" in dict(method.named_buffers())
+    # the merged backbone is a plain causal LM whose output matches the LoRA model's
+    merged = merged_backbone(backbone).eval()
+    backbone.eval()
+    with torch.no_grad():
+        ids = batch["input_ids"][:1]
+        diff = (merged(input_ids=ids).logits - backbone(input_ids=ids).logits).abs().max().item()
+        assert diff < 1e-4, diff

@@ -54,25 +54,10 @@ def stable_hash(*parts) -> str:
 
 
 def model_fingerprint(target) -> str:
-    """Identity of a target's *weights* (not just its embedding): the runtime fingerprint plus a
-    strided sample of every parameter cast to bf16, so an fp32 and a bf16 copy of one model agree
-    while a fine-tuned or perturbed copy with the same embedding does not. Cached on the target."""
-    fp = getattr(target, "_specfoundry_weights_fp", None)
-    if fp is not None:
-        return fp
+    """Identity of a target for data caches: the runtime's weights fingerprint plus its config."""
     h = hashlib.sha256(target.fingerprint().encode())
     h.update(target.config.to_json_string(use_diff=False).encode() if hasattr(target.config, "to_json_string") else b"")
-    with torch.no_grad():
-        for name, p in target.model.named_parameters():
-            flat = p.detach().reshape(-1)
-            step = max(1, flat.numel() // 256)
-            sample = flat[::step][:256].to("cpu", torch.bfloat16).contiguous()
-            h.update(name.encode())
-            h.update(str(tuple(p.shape)).encode())
-            h.update(sample.view(torch.int16).numpy().tobytes())
-    fp = h.hexdigest()[:16]
-    target._specfoundry_weights_fp = fp
-    return fp
+    return h.hexdigest()[:16]
 
 
 def resolve_dtype(dtype) -> torch.dtype | None:

@@ -62,7 +62,7 @@ def build_method(recipe, target, train_ds):
     """(speculator module to save, training method module)."""
     from specfoundry.runtime.speculators import EagleHead, Eagle3Head, MedusaHeads
 
-    from .methods import DraftKDMethod, Eagle1Method, Eagle3Method, MedusaMethod
+    from .methods import DraftKDMethod, Eagle1Method, Eagle3Method, Medusa2Method, MedusaMethod
 
     spec, tr = recipe.speculator, recipe.training
     layers = recipe.target.feature_layers
@@ -80,6 +80,13 @@ def build_method(recipe, target, train_ds):
     if recipe.method == "medusa1":
         head = MedusaHeads.from_target(target, seed=tr.seed, num_heads=spec.num_heads, num_layers=spec.num_layers).float()
         return head, MedusaMethod(head, target.lm_head, position_decay=tr.position_weight_decay)
+    if recipe.method == "medusa2":
+        from .methods.medusa2 import lora_backbone
+
+        heads = MedusaHeads.from_target(target, seed=tr.seed, num_heads=spec.num_heads, num_layers=spec.num_layers).float()
+        return heads, Medusa2Method(lora_backbone(target, spec.lora), heads, target.lm_head,
+                                    position_decay=tr.position_weight_decay, heads_loss_weight=spec.heads_loss_weight,
+                                    heads_warmup_steps=spec.heads_warmup_steps)
     if recipe.method == "draft":
         from specfoundry.runtime.drafters.draft import layer_subset_model
 
@@ -90,12 +97,41 @@ def build_method(recipe, target, train_ds):
         for p in lm.model.parameters():
             p.requires_grad_(True)
         return lm, DraftKDMethod(lm.model, target.lm_head, kd_loss=spec.kd_loss, temperature=spec.temperature)
-    raise NotImplementedError(f"method {recipe.method!r} is not implemented yet (medusa2 joint LoRA training is pending)")
+    raise NotImplementedError(f"method {recipe.method!r} is not implemented")
 
 
-def save_result(recipe, target, module, state_dict, run_dir: Path, training_meta: dict) -> Path:
+def save_medusa2_backbone(recipe, target, method_state: dict, run_dir: Path):
+    """Write the fine-tuned backbone Medusa-2 heads belong to and return it as a TargetModel:
+    ``merge: true`` -> ``target/`` (an HF model dir with the LoRA folded in); else ``adapter/``
+    (the peft adapter, loaded onto the original target by ``load_target``)."""
+    from specfoundry.runtime import load_target
+
+    from .methods.medusa2 import lora_backbone, merged_backbone
+
+    spec = recipe.speculator
+    peft_model = lora_backbone(target, spec.lora)
+    peft_model.load_state_dict({k.removeprefix("backbone."): v for k, v in method_state.items()
+                                if k.startswith("backbone.")})
+    if spec.merge:
+        out = run_dir / "target"
+        merged_backbone(peft_model).to(target.dtype).save_pretrained(out)
+    else:
+        out = run_dir / "adapter"
+        peft_model.save_pretrained(out)
+        # where load_target finds the base again (a name it resolves, not a cache path)
+        (out / "specfoundry_base.json").write_text(json.dumps({"base": recipe.target.name}))
+    if target.tokenizer is not None:
+        target.tokenizer.save_pretrained(out)
+    return load_target(str(out), dtype=target.dtype, device=target.device)
+
+
+def save_result(recipe, target, module, state_dict, run_dir: Path, training_meta: dict) -> tuple[Path, object]:
+    """Write the trained speculator to ``run_dir/speculator``; returns ``(its path, the target it
+    belongs to)`` (Medusa-2: the fine-tuned backbone, written beside it)."""
     from specfoundry.runtime.speculators import save_speculator
 
+    if recipe.method == "medusa2":
+        target = save_medusa2_backbone(recipe, target, state_dict, run_dir)
     out = run_dir / "speculator"
     if recipe.method == "draft":
         module.model.load_state_dict({k.removeprefix("draft."): v for k, v in state_dict.items() if k.startswith("draft.")})
@@ -103,12 +139,12 @@ def save_result(recipe, target, module, state_dict, run_dir: Path, training_meta
         if target.tokenizer is not None:
             target.tokenizer.save_pretrained(out)
         (out / "specfoundry_target.json").write_text(json.dumps({"target": target.identity(), "speculator_type": "draft"}))
-        return out
+        return out, target
     prefix = "heads." if recipe.method.startswith("medusa") else "head."
     # a fresh module: under ZeRO-3 the trained one holds only this rank's (empty) partitions
     fresh = type(module).build(module.architecture, target)
     fresh.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
-    return save_speculator(fresh.to(target.device, target.dtype).eval(), out, target, training=training_meta)
+    return save_speculator(fresh.to(target.device, target.dtype).eval(), out, target, training=training_meta), target
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
               "train_seconds": summary["seconds"], "data_seconds": data_seconds, "wandb_mode": mode,
               "final_metrics": summary["history"][-1] if summary["history"] else {}}
     if acc.is_main_process:
-        spec_dir = save_result(recipe, target, module, state_dict, run_dir,
+        spec_dir, target = save_result(recipe, target, module, state_dict, run_dir,
                                {"recipe": recipe.name, "steps": summary["global_step"], "tokens": summary["tokens"]})
         ev = recipe.evaluation
         sets, skipped = {}, {}

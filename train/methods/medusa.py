@@ -1,6 +1,7 @@
 """Medusa-1 training (frozen backbone): head ``k`` on the target's final normed hidden state of
 token ``t`` learns the target's distribution of token ``t + 2 + k`` (the target's own LM head
-gives ``t + 1``), soft cross-entropy weighted ``decay**k``."""
+gives ``t + 1``), soft cross-entropy weighted ``decay**k``. :meth:`MedusaMethod.head_losses`
+is also Medusa-2's heads term (there the heads read the trained backbone's states)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ class MedusaMethod(torch.nn.Module):
         self.decay = position_decay
         self._lm = {"head": target_lm_head}  # frozen, not a submodule
 
-    def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
-        h = batch["last_hidden"]  # [B, L, H]
-        valid = batch["attention_mask"].bool() & batch["loss_mask"].bool()
+    def head_losses(self, h: torch.Tensor, label_hidden: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Heads read ``h`` ``[B, L, H]``; labels are the target's distributions from
+        ``label_hidden`` (its final normed states). Returns ``(weighted loss, metrics)``."""
         L = h.shape[1]
         logits = self.heads(h)  # [B, L, K, V]
         lm = self._lm["head"]
@@ -28,7 +29,7 @@ class MedusaMethod(torch.nn.Module):
             if n < 1:
                 break
             with torch.no_grad():
-                p = torch.softmax(lm(h[:, 1 + k : 1 + k + n].to(lm.weight.dtype)).float(), dim=-1)
+                p = torch.softmax(lm(label_hidden[:, 1 + k : 1 + k + n].to(lm.weight.dtype)).float(), dim=-1)
             loss_k, agree = soft_ce(logits[:, :n, k], p, valid[:, 2 + k : 2 + k + n])
             total = total + (self.decay**k) * loss_k
             metrics[f"loss/head{k}"] = float(loss_k.detach())
@@ -38,3 +39,7 @@ class MedusaMethod(torch.nn.Module):
         # conditional acceptance that Leviathan's formula expects
         conditional = [acc[0]] + [acc[i] / acc[i - 1] if acc[i - 1] else 0.0 for i in range(1, len(acc))]
         return total, finish_metrics(metrics, [min(1.0, a) for a in conditional], total)
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        valid = batch["attention_mask"].bool() & batch["loss_mask"].bool()
+        return self.head_losses(batch["last_hidden"], batch["last_hidden"], valid)
