@@ -114,3 +114,31 @@ def test_medusa2_warms_up_the_heads_then_trains_the_lora_jointly(tmp_path):
         ids = batch["input_ids"][:1]
         diff = (merged(input_ids=ids).logits - backbone(input_ids=ids).logits).abs().max().item()
         assert diff < 1e-4, diff
+
+
+def test_draft_from_config_or_pretrained_dir_trains_and_stays_lossless(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from specfoundry.train.methods.draft import draft_model_for
+    from specfoundry.train.recipe import DraftArchConfig
+
+    target = tiny_llama(0, dtype=torch.float32)
+    spec = SimpleNamespace(layers=None, init_from=None,
+                           config=DraftArchConfig(hidden_size=target.hidden_size, num_layers=1, num_attention_heads=2))
+    lm = draft_model_for(spec, target)
+    assert lm.num_layers == 1 and lm.vocab_size == target.vocab_size
+    assert torch.equal(lm.embed_tokens.weight, target.embed_tokens.weight.float())  # same width: copied
+    _fit(DraftKDMethod(lm.model, target.lm_head), _batch(target, [target.num_layers]), steps=30, lr=1e-3)
+    lm.model.eval().save_pretrained(tmp_path / "draft")
+    _lossless(target, load_drafter(str(tmp_path / "draft"), target=target), max_depth=3)
+
+    # init_from: the saved draft dir as a pretrained start; a different vocabulary is refused
+    again = draft_model_for(SimpleNamespace(layers=None, config=None, init_from=str(tmp_path / "draft")), target)
+    assert all(torch.equal(a, b) for a, b in zip(again.model.state_dict().values(), lm.model.state_dict().values()))
+    other = tiny_llama(0, vocab=80)
+    other.model.save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="vocabulary"):
+        draft_model_for(SimpleNamespace(layers=None, config=None, init_from=str(tmp_path / "other")), target)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # CI has no hub: the name must fail fast and clearly
+    with pytest.raises(ValueError, match="init_from"):
+        draft_model_for(SimpleNamespace(layers=None, config=None, init_from="no/such-model-here"), target)

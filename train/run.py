@@ -88,14 +88,9 @@ def build_method(recipe, target, train_ds):
                                     position_decay=tr.position_weight_decay, heads_loss_weight=spec.heads_loss_weight,
                                     heads_warmup_steps=spec.heads_warmup_steps)
     if recipe.method == "draft":
-        from specfoundry.runtime.drafters.draft import layer_subset_model
+        from .methods.draft import draft_model_for
 
-        if spec.layers is None:
-            raise NotImplementedError("draft recipes with `config`/`init_from` are not implemented yet; use `layers`")
-        lm = layer_subset_model(target, list(spec.layers))
-        lm.model.float().train()
-        for p in lm.model.parameters():
-            p.requires_grad_(True)
+        lm = draft_model_for(spec, target)
         return lm, DraftKDMethod(lm.model, target.lm_head, kd_loss=spec.kd_loss, temperature=spec.temperature)
     raise NotImplementedError(f"method {recipe.method!r} is not implemented")
 
