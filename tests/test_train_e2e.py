@@ -76,9 +76,17 @@ def test_single_process_run_writes_a_complete_run_directory(tmp_path, tiny_targe
     from specfoundry.train.run import main
 
     monkeypatch.setenv("WANDB_MODE", "offline")
-    assert main([str(_recipe(tmp_path, tiny_target_dir))]) == 0
+    assert main([str(_recipe(tmp_path, tiny_target_dir)), "--set", "training.eval_every=2"]) == 0
     _check_run(tmp_path / "run", tiny_target_dir)
-    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert runs
+    # eval_every: held-out metrics at steps 2 and 4, logged to W&B beside the training metrics
+    from specfoundry.train.tracking import read_offline_history
+
+    history = read_offline_history(runs[0])
+    evals = [r for r in history if "eval/loss" in r]
+    assert [r["_step"] for r in evals] == [2, 4] and all(r["eval/loss"] > 0 for r in evals)
+    assert any("loss" in r and "eval/loss" not in r for r in history)
 
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])

@@ -17,7 +17,8 @@ BUILTIN_HELDOUT = "builtin-heldout"
 def evaluate_speculator(target, drafter, prompt_sets: dict[str, list[str]], *, temperatures=(0.0, 1.0),
                         max_new_tokens: int = 128, depth: int = 5, baseline: bool = True,
                         max_minutes: float | None = None, seed: int = 0, adaptive: bool = True) -> dict:
-    """``{set: {"T=<t>": {tau, acceptance_by_position, identical (T=0), speedup, n}}}``."""
+    """``{set: {"T=<t>": {tau, acceptance_by_position, speedup, n; at T=0 identical_rate,
+    near_ties, lossless_failures}}}`` (see :func:`~specfoundry.runtime.lossless.compare_greedy`)."""
     gen = SpeculativeGenerator(target, drafter, max_depth=depth, adaptive=adaptive)
     deadline = time.perf_counter() + max_minutes * 60 if max_minutes else None
     out: dict = {}
@@ -36,14 +37,16 @@ def evaluate_speculator(target, drafter, prompt_sets: dict[str, list[str]], *, t
                     plain = gen.generate(speculate=False, **kw)
                     ratios.append(plain.stats.seconds / spec.stats.seconds)
                     if t == 0:
-                        ident.append(compare_greedy(target, spec.prompt_ids, spec.token_ids, plain.token_ids).ok)
+                        ident.append(compare_greedy(target, spec.prompt_ids, spec.token_ids, plain.token_ids))
             if not taus:
                 continue
             entry = {"n": len(taus), "tau": statistics.mean(taus),
                      "acceptance_by_position": [statistics.mean(col) for col in zip(*acc)] if acc else []}
             if ratios:
                 entry["speedup"] = statistics.median(ratios)
-            if ident:
-                entry["identical_rate"] = sum(ident) / len(ident)
+            if ident:  # exact equality; rounding near-ties (bf16) and real failures counted apart
+                entry["identical_rate"] = sum(c.identical for c in ident) / len(ident)
+                entry["near_ties"] = sum(c.near_tie for c in ident)
+                entry["lossless_failures"] = sum(not c.ok for c in ident)
             out[name][f"T={t:g}"] = entry
     return out

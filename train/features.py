@@ -37,7 +37,7 @@ from .data import dtype_name, model_fingerprint, resolve_dtype, stable_hash
 FORMAT = "specfoundry-hidden-states-v1"
 
 
-def _dataset_hash(dataset) -> str:
+def dataset_hash(dataset) -> str:
     """Hash of every example's id, tokens and loss mask (what the stored states depend on, plus
     the masks the batches carry)."""
     import hashlib
@@ -144,7 +144,7 @@ class HiddenStateSource:
         # reference is kept so the object cannot be replaced by another at the same id)
         cached = getattr(self, "_hash_cache", None)
         if cached is None or cached[0] is not dataset or cached[1] != len(dataset):
-            self._hash_cache = (dataset, len(dataset), _dataset_hash(dataset))
+            self._hash_cache = (dataset, len(dataset), dataset_hash(dataset))
         return self._hash_cache[2]
 
     def header(self, dataset) -> dict:

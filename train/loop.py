@@ -39,6 +39,7 @@ class LoopConfig:
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
     micro_batch_size: int = 1  # per process; fills DeepSpeed's "auto" (we feed batches, not a DataLoader)
+    eval_every: int = 0  # run ``evaluate`` every N steps (0: never mid-run)
 
 
 def make_scheduler(optimizer, cfg: LoopConfig, horizon: dict | None = None):
@@ -96,11 +97,14 @@ def train_loop(
     *,
     resume: bool = False,
     stop_after: int | None = None,
+    evaluate: Callable[[torch.nn.Module], dict] | None = None,
 ) -> dict:
     """Train ``method``; ``batches(epoch, start_step)`` yields the batches of one epoch.
 
     ``stop_after`` ends the run early after that many steps *without* a final checkpoint (used
-    by tests to simulate a killed run). Returns a summary dict.
+    by tests to simulate a killed run). ``evaluate(method)`` (every ``cfg.eval_every`` steps, on
+    every process, in eval mode without gradients) returns metrics logged under ``eval/``.
+    Returns a summary dict.
     """
     run_dir = Path(run_dir)
     ds = getattr(accelerator.state, "deepspeed_plugin", None)
@@ -170,6 +174,13 @@ def train_loop(
                 accelerator.log(logs, step=state["global_step"])
                 history.append({"step": state["global_step"], **logs})
                 bar.set_postfix(loss=f"{metrics.get('loss', loss.item()):.3f}", tau=f"{metrics.get('predicted_tau', 0):.2f}")
+            if evaluate is not None and cfg.eval_every and state["global_step"] % cfg.eval_every == 0:
+                method.eval()
+                with torch.no_grad():
+                    ev = {f"eval/{k}": v for k, v in evaluate(method).items()}
+                method.train()
+                accelerator.log(ev, step=state["global_step"])
+                history.append({"step": state["global_step"], **ev})
             if stop_after is not None and steps_this_run >= stop_after:
                 bar.close()
                 return {"stopped_after": steps_this_run, **state, "history": history}

@@ -43,19 +43,21 @@ _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _ASSUMED = {
     "magpie_prompt_fraction": 0.6,  # of max_prompt_tokens
     "file_prompt_tokens": 128,  # first user turns of ShareGPT/UltraChat-style data
-    "response_fraction": 0.85,  # of max_new_tokens
+    "response_fraction": 0.75,  # of max_new_tokens (measured 0.73: SmolLM2 self-distillation, max 192)
 }
 
 # Measured throughputs (DESIGN.md, "Measured here": 2-core dev machine, SmolLM2-135M).
-# generate: batched bf16 greedy generation ~400 tok/s (fp32 about half); capture: one forward
-# per sequence ~900 tok/s; decode_step_s: one batch-1 decode step (HF eager, fp32) ~43 ms;
-# train eagle3: an EAGLE-3 head trained 500 s on 107k tokens for ~7 epochs -> >= ~1500 tok/s.
+# generate: batched bf16 greedy generation, Magpie prompts + responses together ~380 tok/s (fp32
+# about half); capture: one forward per sequence ~900 tok/s, length-sorted batches of 8 ~2160 tok/s;
+# decode_step_s: one batch-1 decode step (HF eager, fp32) ~43 ms; train eagle3: bf16 autocast,
+# 2048-token draft vocabulary, 3 TTT steps ~2200 tok/s (docs/results.md, default recipe).
 _MEASURED: dict[tuple[str, str], dict] = {
     ("HuggingFaceTB/SmolLM2-135M-Instruct", "cpu"): {
-        "generate_tok_s": {"bf16": 400.0, "fp16": 400.0, "fp32": 200.0},
+        "generate_tok_s": {"bf16": 380.0, "fp16": 380.0, "fp32": 190.0},
         "capture_tok_s": 900.0,
+        "capture_batched_tok_s": 2160.0,
         "decode_step_s": 0.043,
-        "train_tok_s": {"eagle3": 1500.0},
+        "train_tok_s": {"eagle3": 2200.0},
     },
 }
 
@@ -126,7 +128,8 @@ class Plan:
     steps: int | None
     epochs: float | None
     # time (seconds; None = no measured throughput)
-    data_s: float | None
+    data_s: float | None  # generation (what data.max_minutes caps)
+    capture_s: float | None  # offline hidden-state capture after it (no budget of its own)
     train_s: float | None
     eval_s: float | None
     budget_s: dict[str, float | None]  # the recipe's max_minutes caps per stage
@@ -473,12 +476,13 @@ def make_plan(recipe: Recipe, *, zero_stage: int | None = None, arch: Architectu
 
     # time, where measured
     m = _MEASURED.get((A.name, device), {})
-    data_s = train_s = eval_s = None
+    data_s = capture_s = train_s = eval_s = None
     gen_rate = m.get("generate_tok_s", {}).get(d.responses.dtype or r.target.dtype)
     if gen_rate and generated is not None:
         data_s = generated / gen_rate
-        if d.hidden_states == "offline" and m.get("capture_tok_s") and n_prompts:
-            data_s += n_prompts * seq / m["capture_tok_s"]
+    cap_rate = m.get("capture_batched_tok_s" if d.capture_batch_size > 1 else "capture_tok_s")
+    if d.hidden_states == "offline" and cap_rate and n_train:
+        capture_s = n_train * seq / cap_rate
     train_rate = m.get("train_tok_s", {}).get(r.method)
     if train_rate and steps:
         train_s = steps * gbatch * seq / train_rate
@@ -500,7 +504,7 @@ def make_plan(recipe: Recipe, *, zero_stage: int | None = None, arch: Architectu
                 memory_by_stage=by_stage, device_memory=cap, fits=fits, prompts=n_prompts, prompt_sources=described,
                 train_prompts=n_train, eval_prompts=d.eval_prompts, prompt_tokens=avg_prompt, response_tokens=avg_resp,
                 seq_tokens=seq, total_tokens=total_tokens, loss_tokens=loss_tokens, generated_tokens=generated,
-                global_batch=gbatch, steps_per_epoch=per_epoch, steps=steps, epochs=epochs, data_s=data_s,
+                global_batch=gbatch, steps_per_epoch=per_epoch, steps=steps, epochs=epochs, data_s=data_s, capture_s=capture_s,
                 train_s=train_s, eval_s=eval_s, budget_s=budget, warnings=warnings)
 
 
@@ -584,18 +588,21 @@ def format_plan(plan: Plan) -> str:
     else:
         out.append("time (estimate where measured; capped by max_minutes):")
         total_est, total_cap, known = 0.0, 0.0, True
-        for name, est in (("data", plan.data_s), ("training", plan.train_s), ("evaluation", plan.eval_s)):
-            cap = plan.budget_s[name]
+        for name, est in (("data", plan.data_s), ("capture", plan.capture_s), ("training", plan.train_s),
+                          ("evaluation", plan.eval_s)):
+            if name == "capture" and est is None:
+                continue
+            cap = plan.budget_s.get(name)
             shown = est if cap is None or est is None else min(est, cap)
             out.append(f"  {name:<11} {_min(shown) if shown is not None else 'no measured throughput'}"
                        + (f" (budget {cap / 60:.0f} min)" if cap is not None else ""))
             known &= shown is not None
             total_est += shown or 0.0
-            total_cap += cap if cap is not None else float("inf")
+            total_cap += cap if cap is not None else (est if name == "capture" else float("inf"))
         if known:
             out.append(f"  total       ~{total_est / 60:.1f} min")
         if math.isfinite(total_cap):
-            out.append(f"  at most     {total_cap / 60:.0f} min of stage budgets (plus model loading)")
+            out.append(f"  at most     {total_cap / 60:.0f} min of stage budgets and capture (plus model loading)")
     if plan.warnings:
         out.append("warnings:")
         out += [f"  - {w}" for w in plan.warnings]

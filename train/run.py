@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .data import build_dataset
     from .evaluate import BUILTIN_HELDOUT, evaluate_speculator
-    from .features import HiddenStateSource
+    from .features import HiddenStateSource, dataset_hash
     from .loop import LoopConfig, train_loop
     from .prompts import read_prompt_file
     from .recipe import dump_resolved, load_recipe, prompt_source_dicts, resolve
@@ -187,12 +187,28 @@ def main(argv: list[str] | None = None) -> int:
                                           max_minutes=d.max_minutes if acc.is_main_process else 0)
     data_seconds = time.perf_counter() - t_data
 
+    val_ds = None
+    if recipe.training.eval_every:
+        # mid-run evaluation needs sequences the head never trains on: the last few examples
+        n_val = min(32, max(1, len(train_ds) // 20))
+        if len(train_ds) > n_val:
+            val_ds, train_ds = train_ds.select(range(len(train_ds) - n_val, len(train_ds))), \
+                train_ds.select(range(len(train_ds) - n_val))
     module, method = build_method(recipe, target, train_ds)
     layers = tuple(getattr(module, "feature_layers", ()) or ()) or (target.num_layers,)
-    source = HiddenStateSource(d.hidden_states, target, layers, cache_dir=Path(d.cache_dir) / "features",
+    def features_dir(ds) -> Path:
+        # one store per dataset: a rerun that generated more data (or split off validation
+        # sequences) gets its own, instead of a stale store being refused
+        return Path(d.cache_dir) / "features" / dataset_hash(ds)
+
+    source = HiddenStateSource(d.hidden_states, target, layers, cache_dir=features_dir(train_ds),
                                capture_batch_size=d.capture_batch_size)
     with acc.main_process_first():
         source.prepare(train_ds)
+        if val_ds is not None:
+            val_source = HiddenStateSource(d.hidden_states, target, layers, cache_dir=features_dir(val_ds),
+                                           capture_batch_size=d.capture_batch_size)
+            val_source.prepare(val_ds, progress=False)
     tr = recipe.training
     P, rank = acc.num_processes, acc.process_index
     # every process walks the same batch order and takes every P-th batch; the tail that cannot
@@ -204,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = LoopConfig(max_steps=steps, max_minutes=tr.max_minutes, learning_rate=tr.learning_rate,
                      weight_decay=tr.weight_decay, warmup_steps=tr.warmup_steps, scheduler=tr.scheduler,
                      grad_clip=tr.grad_clip, log_every=tr.log_every, checkpoint_every=tr.checkpoint_every,
-                     micro_batch_size=tr.batch_size)
+                     micro_batch_size=tr.batch_size, eval_every=tr.eval_every)
 
     def batches(epoch: int, start: int):
         it = source.batches(train_ds, tr.batch_size, seed=tr.seed, epoch=epoch, start_step=start * P)
@@ -215,16 +231,31 @@ def main(argv: list[str] | None = None) -> int:
                 yield batch
 
     acc.print(f"[train] {len(train_ds)} sequences, {steps} steps of {tr.batch_size} x {acc.num_processes} process(es)")
-    summary = train_loop(acc, method, batches, cfg, run_dir, resume=args.resume)
+    def evaluate(m) -> dict:
+        """Token-weighted mean of the method's metrics over the held-out sequences."""
+        sums, weight = {}, 0
+        for batch in val_source.batches(val_ds, tr.batch_size, seed=0, epoch=0, shuffle=False):
+            _, metrics = m(batch)
+            w = int(batch["attention_mask"].sum())
+            weight += w
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * w
+        return {k: v / max(weight, 1) for k, v in sums.items()}
+
+    summary = train_loop(acc, method, batches, cfg, run_dir, resume=args.resume,
+                         evaluate=evaluate if val_ds is not None else None)
     state_dict = summary.pop("state_dict")
     result = {"recipe": recipe.name, "command": " ".join(["specfoundry", "train", *sys.argv[1:]]),
               "sequences": len(train_ds), "tokens_trained": summary["tokens"], "steps": summary["global_step"],
               "train_seconds": summary["seconds"], "data_seconds": data_seconds, "wandb_mode": mode,
               "final_metrics": summary["history"][-1] if summary["history"] else {}}
     if acc.is_main_process:
-        spec_dir, target = save_result(recipe, target, module, state_dict, run_dir,
-                               {"recipe": recipe.name, "steps": summary["global_step"], "tokens": summary["tokens"]})
         ev = recipe.evaluation
+        options = {k: getattr(ev, k) for k in ("tree", "total_tokens", "top_k") if getattr(ev, k) is not None}
+        meta = {"recipe": recipe.name, "steps": summary["global_step"], "tokens": summary["tokens"]}
+        if recipe.method in ("eagle3", "eagle") and options:
+            meta["drafter_options"] = {**options, "depth": ev.depth}  # load_drafter's default shape
+        spec_dir, target = save_result(recipe, target, module, state_dict, run_dir, meta)
         sets, skipped = {}, {}
         for name in ev.prompt_sets:
             if name == BUILTIN_HELDOUT:
@@ -234,7 +265,6 @@ def main(argv: list[str] | None = None) -> int:
                 acc.print(f"[eval] skipping {name}: file not found")
             else:  # a fixed random sample, so a category-ordered file (MT-bench) is not one category
                 sets[name] = read_prompt_file(name, ev.limit, shuffle=True, seed=0)
-        options = {k: getattr(ev, k) for k in ("tree", "total_tokens", "top_k") if getattr(ev, k) is not None}
         drafter = load_drafter(str(spec_dir), target=target, **options)
         result["measured"] = evaluate_speculator(target, drafter, sets, temperatures=ev.temperatures,
                                                  max_new_tokens=ev.max_new_tokens, depth=ev.depth,
@@ -249,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
                 step=summary["global_step"])
         print(json.dumps({k: result[k] for k in ("recipe", "tokens_trained", "wall_seconds", "predicted_tau", "measured")},
                          indent=2, default=str))
+    # the other ranks wait for the main one's save and evaluation: a rank that exits while its
+    # peers still hold the gloo group can abort ("terminate called without an active exception")
+    acc.wait_for_everyone()
     acc.end_training()
     return 0
 

@@ -34,7 +34,7 @@ import math
 import torch
 
 from ..sampling import probs_from_logits
-from ..speculators import Eagle3Head, EagleHead, load_speculator
+from ..speculators import Eagle3Head, EagleHead, load_speculator, read_config
 from ..target import KVCache
 from ..tree import Draft
 from .base import DraftContext, Drafter, register_drafter
@@ -281,7 +281,13 @@ def _make(drafter_cls, source, target, architecture: dict | None = None, seed: i
         head = load_speculator(source, target)
         if not isinstance(head, head_cls):
             raise ValueError(f"{source}: holds a {head.type!r} speculator, not {drafter_cls.type!r}")
+        # the draft shape the training run measured its tau with is the default; options win
+        saved = (read_config(source).get("training") or {}).get("drafter_options") or {}
+        options = {**{k: v for k, v in saved.items() if k in _TREE_OPTIONS}, **options}
     return drafter_cls(head, **options)
+
+
+_TREE_OPTIONS = ("tree", "depth", "top_k", "total_tokens")
 
 
 class Eagle3Drafter(EagleDrafter):
