@@ -97,6 +97,26 @@ def run_export(args) -> int:
             print(f"specfoundry: error: {exc}", file=sys.stderr)
             code = 1
     report_file = out / "export_report.json"
+    report = _merged_with_previous(report, report_file)
     report_file.write_text(json.dumps(report, indent=2, default=str))
     print(f"[export] wrote {report_file}", file=sys.stderr)
     return code
+
+
+def _merged_with_previous(report: dict, report_file: Path) -> dict:
+    """A partial re-export (``--formats ptx``, ``--engine trt``) keeps the entries of formats it
+    did not redo, when the earlier report is for the same speculator and target."""
+    if not report_file.exists():
+        return report
+    try:
+        old = json.loads(report_file.read_text())
+    except ValueError:
+        return report
+    if any(old.get(k) != report[k] for k in ("speculator", "speculator_type", "target", "trained")):
+        return report
+    redone = set(report["written"]) | set(report["skipped"])
+    for key in ("written", "skipped"):
+        kept = {k: v for k, v in old.get(key, {}).items() if k not in redone}
+        report[key] = {**kept, **report[key]}
+    report["parity"] = {**{k: v for k, v in old.get("parity", {}).items() if k not in redone}, **report["parity"]}
+    return report

@@ -429,3 +429,24 @@ def test_hf_draft_refuses_another_vocabulary(tmp_path, target):
                       num_attention_heads=2, num_key_value_heads=1)
     with pytest.raises(ValueError, match="vocabulary"):
         export_hf_draft(LlamaForCausalLM(cfg), target, tmp_path / "x")
+
+
+def test_partial_reexport_keeps_the_other_formats_in_the_report(tmp_path):
+    import json
+
+    from specfoundry.export.cli import _merged_with_previous
+
+    base = {"speculator": "s", "speculator_type": "eagle3", "target": {"fingerprint": "f"}, "trained": True}
+    first = {**base, "written": {"vllm": {"path": "v"}, "onnx": {"path": "o"}}, "skipped": {"trtllm": "no layout"},
+             "parity": {"onnx": {"max": 1e-4}}}
+    f = tmp_path / "export_report.json"
+    f.write_text(json.dumps(first))
+    again = {**base, "written": {"ptx": {"path": "p"}}, "skipped": {"trt_engines": "no tensorrt"}, "parity": {}}
+    merged = _merged_with_previous(again, f)
+    assert set(merged["written"]) == {"vllm", "onnx", "ptx"} and set(merged["skipped"]) == {"trtllm", "trt_engines"}
+    assert merged["parity"] == {"onnx": {"max": 1e-4}}
+    redo = {**base, "written": {}, "skipped": {"onnx": "failed"}, "parity": {}}  # a format redone replaces its entry
+    merged = _merged_with_previous(redo, f)
+    assert "onnx" not in merged["written"] and merged["skipped"]["onnx"] == "failed" and "onnx" not in merged["parity"]
+    other = {**base, "target": {"fingerprint": "g"}, "written": {"ptx": {}}, "skipped": {}, "parity": {}}
+    assert _merged_with_previous(other, f)["written"] == {"ptx": {}}  # another target: nothing kept
