@@ -257,6 +257,12 @@ def main(argv=None) -> int:
         result["agreement_vllm_plain_vs_eagle3"] = agreement(plain["outputs"], spec["outputs"])
         result["agreement_vllm_vs_ours"] = agreement(plain["outputs"], ours["outputs"])
     checks["vllm_drafted"] = bool(spec["metrics"]["num_drafts"])
+    if result["head"].get("trained"):
+        # the same head in both engines: mean acceptance lengths within 10% of ours (a random head
+        # gives ~1.0 in both and proves nothing, so only a trained one is held to this)
+        a, b = spec["mean_acceptance_length"], ours["mean_acceptance_length"]
+        result["acceptance_relative_difference"] = abs(a - b) / b
+        checks["acceptance_within_10pct"] = result["acceptance_relative_difference"] <= 0.10
     result["checks"] = checks
     ok = all(checks.values()) and "outputs" in plain
 
