@@ -142,3 +142,23 @@ def test_draft_from_config_or_pretrained_dir_trains_and_stays_lossless(tmp_path,
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # CI has no hub: the name must fail fast and clearly
     with pytest.raises(ValueError, match="init_from"):
         draft_model_for(SimpleNamespace(layers=None, config=None, init_from="no/such-model-here"), target)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_head_layer_warm_start_from_a_target_layer(kind):
+    from specfoundry.train.run import init_layer_from_target
+
+    target = tiny_llama(0, dtype=torch.float32)
+    head = (Eagle3Head if kind == "eagle3" else EagleHead).from_target(target)
+    before = head.layer.self_attn.q_proj.weight.detach().clone()
+    copied = init_layer_from_target(head, target, 2)
+    src = target.model.model.layers[2]
+    assert torch.equal(head.layer.mlp.down_proj.weight, src.mlp.down_proj.weight)
+    assert "mlp.gate_proj.weight" in copied and "self_attn.o_proj.weight" in copied
+    H = target.hidden_size
+    q = head.layer.self_attn.q_proj.weight
+    if kind == "eagle3":  # 2H inputs: the hidden half is the target's, the embedding half untouched
+        assert torch.equal(q[:, H:], src.self_attn.q_proj.weight) and torch.equal(q[:, :H], before[:, :H])
+        assert torch.equal(head.layer.hidden_norm.weight, src.input_layernorm.weight)
+    else:
+        assert torch.equal(q, src.self_attn.q_proj.weight)

@@ -58,6 +58,31 @@ def draft_vocabulary(dataset, size: int, vocab_size: int) -> list[int]:
     return sorted(top + [next(rest) for _ in range(size - len(top))])
 
 
+def init_layer_from_target(head, target, layer: int) -> list[str]:
+    """Warm-start the head's decoder layer from target layer ``layer``: every parameter of the
+    same name and shape is copied; EAGLE-3's 2H-input q/k/v get the target's weights on their
+    hidden half (the embedding half keeps its init); ``hidden_norm`` takes the target's input
+    norm. Returns the names copied."""
+    src = dict(target.model.model.layers[layer].named_parameters())
+    H = target.hidden_size
+    copied = []
+    with torch.no_grad():
+        for name, p in head.layer.named_parameters():
+            key = "input_layernorm.weight" if name == "hidden_norm.weight" else name
+            w = src.get(key)
+            if w is None:
+                continue
+            w = w.detach().to(p.dtype)
+            if w.shape == p.shape:
+                p.copy_(w)
+            elif p.dim() == 2 and p.shape[0] == w.shape[0] and p.shape[1] == 2 * w.shape[1] == 2 * H:
+                p[:, H:].copy_(w)  # cat(embed, hidden): the hidden half
+            else:
+                continue
+            copied.append(name)
+    return copied
+
+
 def build_method(recipe, target, train_ds):
     """(speculator module to save, training method module)."""
     from specfoundry.runtime.speculators import EagleHead, Eagle3Head, MedusaHeads
@@ -73,9 +98,13 @@ def build_method(recipe, target, train_ds):
         with torch.no_grad():  # start the reduced LM head from the target's rows
             head.lm_head.weight.copy_(target.lm_head.weight[head.d2t].to(head.lm_head.weight.dtype))
         head = head.float()
+        if spec.init_from_target_layer is not None:
+            init_layer_from_target(head, target, spec.init_from_target_layer)
         return head, Eagle3Method(head, target.lm_head, ttt_steps=tr.ttt_steps, position_decay=tr.position_weight_decay)
     if recipe.method == "eagle":
         head = EagleHead.from_target(target, seed=tr.seed).float()
+        if spec.init_from_target_layer is not None:
+            init_layer_from_target(head, target, spec.init_from_target_layer)
         return head, Eagle1Method(head, ce_weight=spec.token_loss_weight / max(spec.feature_loss_weight, 1e-9))
     if recipe.method == "medusa1":
         head = MedusaHeads.from_target(target, seed=tr.seed, num_heads=spec.num_heads, num_layers=spec.num_layers).float()
