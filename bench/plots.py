@@ -39,6 +39,21 @@ def _grid(plt, n: int, width: float = 6.0, height: float = 4.0):
     return fig, axes[0]
 
 
+def _legend_or_note(ax) -> None:
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no drafting method", ha="center", transform=ax.transAxes)
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def acceptance_plot(summary: dict, path: Path) -> Path:
     plt = _plt()
     fig, axes = _grid(plt, len(summary))
@@ -49,15 +64,8 @@ def acceptance_plot(summary: dict, path: Path) -> Path:
                 ax.plot(range(1, len(acc) + 1), acc, marker="o", label=name)
         ax.set(title=f"acceptance by draft position ({tkey})", xlabel="draft position", ylabel="P(accept | previous accepted)",
                ylim=(0, 1.05))
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "no drafting method", ha="center", transform=ax.transAxes)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        _legend_or_note(ax)
+    return _save(plt, fig, path)
 
 
 def speedup_plot(summary: dict, path: Path) -> Path:
@@ -76,10 +84,7 @@ def speedup_plot(summary: dict, path: Path) -> Path:
         ax.set(title=f"speed-up vs plain decoding ({tkey})", ylabel="median speed-up (x)")
         if names:
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def tau_plot(summary: dict, methods: list[dict], path: Path) -> Path:
@@ -101,15 +106,8 @@ def tau_plot(summary: dict, methods: list[dict], path: Path) -> Path:
                 ax.plot(ks, ys, ls="--", color=color, alpha=0.7)
         ax.set(title=f"tau vs draft length ({tkey}); dashed: predicted", xlabel="draft length k",
                ylabel="tokens per target forward")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "no drafting method", ha="center", transform=ax.transAxes)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        _legend_or_note(ax)
+    return _save(plt, fig, path)
 
 
 def write_plots(summary: dict, methods: list[dict], out_dir: Path) -> list[Path]:

@@ -12,24 +12,10 @@ import json
 import sys
 import time
 import traceback
+from pathlib import Path
 
-
-def _counters(llm) -> dict:
-    out = {"drafts": 0, "drafted": 0, "accepted": 0, "per_pos": []}
-    from vllm.v1.metrics.reader import Counter, Vector
-
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_drafts" and isinstance(m, Counter):
-            out["drafts"] += m.value
-        elif m.name == "vllm:spec_decode_num_draft_tokens" and isinstance(m, Counter):
-            out["drafted"] += m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens" and isinstance(m, Counter):
-            out["accepted"] += m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos" and isinstance(m, Vector):
-            vals = list(m.values)
-            acc = out["per_pos"] + [0] * (len(vals) - len(out["per_pos"]))
-            out["per_pos"] = [a + b for a, b in zip(acc, vals)]
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # vllm_counters, beside this file
+from vllm_counters import spec_decode_counters  # noqa: E402
 
 
 def main(request_path: str, result_path: str) -> int:
@@ -58,20 +44,21 @@ def main(request_path: str, result_path: str) -> int:
         llm.generate([TokensPrompt(prompt_token_ids=list(req["prompts"][0]))], params(0), use_tqdm=False)  # warm-up
         rows = []
         for ids, seed in zip(req["prompts"], req["seeds"]):
-            before = _counters(llm) if req.get("speculator") else None
+            before = spec_decode_counters(llm) if req.get("speculator") else None
             t0 = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params(int(seed)), use_tqdm=False)
             seconds = time.perf_counter() - t0
             toks = list(out[0].outputs[0].token_ids)
             stats = None
             if before is not None:
-                after = _counters(llm)
-                drafts = after["drafts"] - before["drafts"]
-                per_pos = [a - (before["per_pos"][i] if i < len(before["per_pos"]) else 0)
-                           for i, a in enumerate(after["per_pos"])]
+                after = spec_decode_counters(llm)
+                drafts = after["num_drafts"] - before["num_drafts"]
+                prev = before["accepted_per_pos"]
+                per_pos = [a - (prev[i] if i < len(prev) else 0) for i, a in enumerate(after["accepted_per_pos"])]
                 # per position d: tried = accepted at d-1 (drafts for d = 1), passed = accepted at d
                 tried = [drafts] + per_pos[:-1]
-                stats = {"drafted": after["drafted"] - before["drafted"], "accepted": after["accepted"] - before["accepted"],
+                stats = {"drafted": after["num_draft_tokens"] - before["num_draft_tokens"],
+                         "accepted": after["num_accepted_tokens"] - before["num_accepted_tokens"],
                          "target_forwards": drafts, "tried": tried, "passed": per_pos,
                          "tau": len(toks) / drafts if drafts else None}
             rows.append({"token_ids": toks, "seconds": seconds, "stats": stats})

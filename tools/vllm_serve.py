@@ -17,25 +17,10 @@ import json
 import sys
 import time
 import traceback
+from pathlib import Path
 
-
-def _metrics(llm) -> dict:
-    """vLLM's spec-decode counters (Prometheus, aggregated over the run)."""
-    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
-    from vllm.v1.metrics.reader import Counter, Vector
-
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_drafts" and isinstance(m, Counter):
-            out["num_drafts"] += m.value
-        elif m.name == "vllm:spec_decode_num_draft_tokens" and isinstance(m, Counter):
-            out["num_draft_tokens"] += m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens" and isinstance(m, Counter):
-            out["num_accepted_tokens"] += m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos" and isinstance(m, Vector):
-            vals = list(m.values)
-            acc = out["accepted_per_pos"]
-            out["accepted_per_pos"] = [a + b for a, b in zip(acc + [0] * (len(vals) - len(acc)), vals)]
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # vllm_counters (no specfoundry)
+from vllm_counters import spec_decode_counters  # noqa: E402
 
 
 def main(request_path: str, result_path: str) -> int:
@@ -60,7 +45,7 @@ def main(request_path: str, result_path: str) -> int:
         outs = llm.generate(prompts, params, use_tqdm=False)
         result["seconds"] = time.perf_counter() - t0
         result["outputs"] = [list(o.outputs[0].token_ids) for o in outs]
-        m = _metrics(llm)
+        m = spec_decode_counters(llm)
         result["metrics"] = m
         # vLLM's own definition (examples/offline_inference/spec_decode.py): 1 + accepted / drafts
         result["mean_acceptance_length"] = (1 + m["num_accepted_tokens"] / m["num_drafts"]) if m["num_drafts"] else None
