@@ -49,6 +49,8 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--out", default=None, help="output directory (default: runs/bench/<timestamp>)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--render", metavar="DIR", default=None,
+                   help="re-summarise an existing DIR/report.json (tables, plots, report.md) without running anything")
     p.set_defaults(func=run_cli)
 
 
@@ -113,6 +115,8 @@ def build_methods(factory, target, target_source: str, specs: str, peers: str, w
 
 
 def run_cli(args) -> int:
+    if args.render:
+        return render_existing(Path(args.render))
     import torch
 
     from specfoundry.runtime.cli import DTYPES
@@ -156,6 +160,35 @@ def run_cli(args) -> int:
         "datasets": sorted({p.dataset for p in prompts}), "limit": args.limit, "runs": [str(r) for r in args.run],
         "categories": sorted({p.key for p in prompts}), "prompts": len(prompts),
         "turns": sum(len(p.turns) for p in prompts), "device": args.device})
+
+
+def render_existing(out: Path) -> int:
+    """``--render``: rebuild summary, failures, plots and report.md from ``out/report.json``'s records
+    (e.g. after an upgrade added a column); the measurements and the environment are kept."""
+    import json
+
+    from .report import failures_of, summarize, to_markdown, validate_report, write_json
+
+    path = Path(out) / "report.json"
+    if not path.is_file():
+        raise SystemExit(f"specfoundry bench --render: no report.json in {out}")
+    report = json.loads(path.read_text())
+    report["summary"] = summarize(report["records"], report["methods"])
+    report["failures"] = failures_of(report["records"])
+    report["passed"] = not report["failures"]
+    try:
+        from .plots import write_plots
+
+        report["files"]["plots"] = [str(p) for p in write_plots(report["summary"], report["methods"], Path(out))]
+    except ImportError:
+        pass
+    problems = validate_report(report)
+    if problems:
+        raise SystemExit(f"specfoundry bench --render: {path} is not a valid report: {problems[0]}")
+    write_json(report, path)
+    (Path(out) / "report.md").write_text(to_markdown(report))
+    print(f"[bench] re-rendered {Path(out) / 'report.md'}", file=sys.stderr)
+    return 0 if report["passed"] else 1
 
 
 def write_report(out: Path, raw: dict, methods: list[dict], unavailable: list[dict], settings: dict) -> int:

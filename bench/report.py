@@ -162,8 +162,34 @@ def summarize(records: list[dict], methods: list[dict]) -> dict:
             for cat in sorted({f"{r['dataset']}:{r['category']}" for r in mine}):
                 rows = [r for r in mine if f"{r['dataset']}:{r['category']}" == cat]
                 block["by_category"].setdefault(cat, {})[m["name"]] = summarize_rows(rows, depth[m["name"]])
+        _add_vs_best_hf(block, recs)
         out[f"T={T:g}"] = block
     return out
+
+
+def _add_vs_best_hf(block: dict, recs: list[dict]) -> None:
+    """``block["best_hf"]``: the HF transformers mode with the best overall median speed-up; each
+    row gains ``median_speed_up_vs_best_hf``: the median over prompts of that mode's time per token
+    over the method's, paired prompt by prompt (both were timed interleaved on the same prompt)."""
+    hf = [n for n in block["overall"] if n.startswith("hf")]
+    block["best_hf"] = None
+    if not hf:
+        return
+    best = max(hf, key=lambda n: block["overall"][n]["median_speed_up"] or 0.0)
+    block["best_hf"] = best
+    key = lambda r: (r["dataset"], r["question_id"], r["turn"], r["repeat"])  # noqa: E731
+    ref = {key(r): r["speed_up"] for r in recs if r["method"] == best and r.get("speed_up")}
+
+    def ratio(rows_recs):
+        xs = [r["speed_up"] / ref[key(r)] for r in rows_recs if r.get("speed_up") and key(r) in ref]
+        return _median(xs)
+
+    for name, row in block["overall"].items():
+        row["median_speed_up_vs_best_hf"] = ratio([r for r in recs if r["method"] == name])
+    for cat, rows in block["by_category"].items():
+        for name, row in rows.items():
+            row["median_speed_up_vs_best_hf"] = ratio([r for r in recs if r["method"] == name
+                                                       and f"{r['dataset']}:{r['category']}" == cat])
 
 
 def failures_of(records: list[dict]) -> list[dict]:
@@ -221,17 +247,22 @@ def to_markdown(report: dict) -> str:
           "acceptance at the method's draft length; *Leviathan* = (1-a^(k+1))/(1-a) with the pooled a; *k\\** = the "
           "draft length maximising E(k)/(1+k c) for the measured cost ratio c (draft token / target forward).", ""]
     for tkey, block in report["summary"].items():
-        L += [f"## {tkey}: overall", "",
-              "| method | tok/s | wall s | speed-up | tau | pred. | Leviathan (a) | k / k* | acceptance by position | "
+        best = block.get("best_hf")
+        L += [f"## {tkey}: overall", ""]
+        if best:
+            L += [f"vs best HF = speed-up over `{best}`, the fastest Hugging Face transformers mode here "
+                  "(median of per-prompt ratios).", ""]
+        L += ["| method | tok/s | wall s | speed-up | vs best HF | tau | pred. | Leviathan (a) | k / k* | acceptance by position | "
               "drafted / accepted | target fwd | identical |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, row in block["overall"].items():
             m = methods[name]
             lev = f"{row['leviathan_tau']:.2f} ({row['alpha']:.2f})" if row["leviathan_tau"] is not None else "-"
             kk = f"{m['draft_depth']} / {row['best_k']}" if row["best_k"] else _f(m.get("draft_depth"), "{}")
             name_cell = f"`{name}`" + ("" if m["interleaved"] else " †")
             L.append(f"| {name_cell} | {_f(row['median_tokens_per_second'], '{:.1f}')} | {_f(row['median_seconds'])} | "
-                     f"{_f(row['median_speed_up'], '{:.2f}x')} | {_f(row['tau'])} | {_f(row['expected_tau'])} | {lev} | {kk} | "
+                     f"{_f(row['median_speed_up'], '{:.2f}x')} | {_f(row.get('median_speed_up_vs_best_hf'), '{:.2f}x')} | "
+                     f"{_f(row['tau'])} | {_f(row['expected_tau'])} | {lev} | {kk} | "
                      f"{_acc(row)} | {_f(row['drafted'], '{}')} / {_f(row['accepted'], '{}')} | "
                      f"{_f(row['target_forwards'], '{}')} | {_check_cell(row)} |")
         cats = list(block["by_category"])

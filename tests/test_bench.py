@@ -194,6 +194,17 @@ def test_tiny_bench_run_writes_valid_report_markdown_and_plots(tiny_dir, tmp_pat
     for p in pngs:
         data = p.read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 5000
+    # speed-up against the fastest HF mode, paired prompt by prompt: that mode itself is 1.0x
+    for block in report["summary"].values():
+        best = block["best_hf"]
+        assert best in ("hf", "hf-lookup@5", "hf-assisted")
+        assert block["overall"][best]["median_speed_up_vs_best_hf"] == pytest.approx(1.0)
+        assert all(row["median_speed_up_vs_best_hf"] is not None for row in block["overall"].values())
+    assert "vs best HF" in md
+    # --render rebuilds the tables from the stored records without running anything
+    (out / "report.md").write_text("stale")
+    assert cli_main(["bench", "--render", str(out)]) == 0
+    assert (out / "report.md").read_text() == md  # same records, same environment: the same report
 
 
 class _AlteringGenerator(SpeculativeGenerator):
