@@ -8,6 +8,7 @@ Run directory ``runs/<recipe>/``: ``recipe.resolved.yaml``, ``checkpoints/``, ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -17,6 +18,21 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+
+
+@contextlib.contextmanager
+def plain_hf_init():
+    """Build and load HF models as ordinary modules even when a ZeRO-3 run is active: transformers
+    would otherwise wrap their construction in ``deepspeed.zero.Init``, a collective that only the
+    main process (saving, evaluating) would enter, and hang there."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    ref = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = ref
 
 
 def make_accelerator(recipe):
@@ -158,11 +174,18 @@ def save_result(recipe, target, module, state_dict, run_dir: Path, training_meta
         target = save_medusa2_backbone(recipe, target, state_dict, run_dir)
     out = run_dir / "speculator"
     if recipe.method == "draft":
-        module.model.load_state_dict({k.removeprefix("draft."): v for k, v in state_dict.items() if k.startswith("draft.")})
-        module.model.eval().save_pretrained(out)
-        if target.tokenizer is not None:
-            target.tokenizer.save_pretrained(out)
-        (out / "specfoundry_target.json").write_text(json.dumps({"target": target.identity(), "speculator_type": "draft"}))
+        from specfoundry.runtime.atomic import atomic_dir
+
+        from .methods.draft import draft_model_for
+
+        # a fresh draft (as for heads below): under ZeRO-3 the trained one holds only partitions
+        fresh = draft_model_for(recipe.speculator, target).model
+        fresh.load_state_dict({k.removeprefix("draft."): v for k, v in state_dict.items() if k.startswith("draft.")})
+        with atomic_dir(out, lambda p: (p / "specfoundry_target.json").exists(), "a draft model directory") as tmp:
+            fresh.eval().save_pretrained(tmp)
+            if target.tokenizer is not None:
+                target.tokenizer.save_pretrained(tmp)
+            (tmp / "specfoundry_target.json").write_text(json.dumps({"target": target.identity(), "speculator_type": "draft"}))
         return out, target
     prefix = "heads." if recipe.method.startswith("medusa") else "head."
     # a fresh module: under ZeRO-3 the trained one holds only this rank's (empty) partitions
@@ -174,13 +197,11 @@ def save_result(recipe, target, module, state_dict, run_dir: Path, training_meta
 def main(argv: list[str] | None = None) -> int:
     from accelerate.utils import set_seed
 
-    from specfoundry.runtime import load_drafter, load_target
+    from specfoundry.runtime import load_target
 
     from .data import build_dataset
-    from .evaluate import BUILTIN_HELDOUT, evaluate_speculator
     from .features import HiddenStateSource, dataset_hash
     from .loop import LoopConfig, train_loop
-    from .prompts import read_prompt_file
     from .recipe import dump_resolved, load_recipe, prompt_source_dicts, resolve
     from .tracking import init_tracking
 
@@ -279,40 +300,52 @@ def main(argv: list[str] | None = None) -> int:
               "train_seconds": summary["seconds"], "data_seconds": data_seconds, "wandb_mode": mode,
               "final_metrics": summary["history"][-1] if summary["history"] else {}}
     if acc.is_main_process:
-        ev = recipe.evaluation
-        options = {k: getattr(ev, k) for k in ("tree", "total_tokens", "top_k") if getattr(ev, k) is not None}
-        meta = {"recipe": recipe.name, "steps": summary["global_step"], "tokens": summary["tokens"]}
-        if recipe.method in ("eagle3", "eagle") and options:
-            meta["drafter_options"] = {**options, "depth": ev.depth}  # load_drafter's default shape
-        spec_dir, target = save_result(recipe, target, module, state_dict, run_dir, meta)
-        sets, skipped = {}, {}
-        for name in ev.prompt_sets:
-            if name == BUILTIN_HELDOUT:
-                sets[name] = heldout[: ev.limit]
-            elif not Path(name).exists():  # e.g. ../shared/data beside a clone: measured where present
-                skipped[name] = "file not found"
-                acc.print(f"[eval] skipping {name}: file not found")
-            else:  # a fixed random sample, so a category-ordered file (MT-bench) is not one category
-                sets[name] = read_prompt_file(name, ev.limit, shuffle=True, seed=0)
-        drafter = load_drafter(str(spec_dir), target=target, **options)
-        result["measured"] = evaluate_speculator(target, drafter, sets, temperatures=ev.temperatures,
-                                                 max_new_tokens=ev.max_new_tokens, depth=ev.depth,
-                                                 baseline=ev.baseline, max_minutes=ev.max_minutes,
-                                                 adaptive=ev.adaptive)
-        result["evaluation"] = {"depth": ev.depth, "adaptive": ev.adaptive, **options,
-                                **({"skipped": skipped} if skipped else {})}
-        result["predicted_tau"] = result["final_metrics"].get("predicted_tau")
-        result["wall_seconds"] = time.perf_counter() - t0
-        (run_dir / "train_summary.json").write_text(json.dumps(result, indent=2, default=str))
-        acc.log({f"measured/{s}/{t}/tau": v["tau"] for s, per in result["measured"].items() for t, v in per.items()},
-                step=summary["global_step"])
-        print(json.dumps({k: result[k] for k in ("recipe", "tokens_trained", "wall_seconds", "predicted_tau", "measured")},
-                         indent=2, default=str))
+        with plain_hf_init():
+            _save_and_evaluate(recipe, target, module, state_dict, run_dir, summary, heldout, result, acc, t0)
     # the other ranks wait for the main one's save and evaluation: a rank that exits while its
     # peers still hold the gloo group can abort ("terminate called without an active exception")
     acc.wait_for_everyone()
     acc.end_training()
     return 0
+
+
+def _save_and_evaluate(recipe, target, module, state_dict, run_dir: Path, summary: dict, heldout, result: dict, acc,
+                       t_start: float):
+    """Main process: write the speculator, measure tau on the evaluation sets, write train_summary.json."""
+    from specfoundry.runtime import load_drafter
+
+    from .evaluate import BUILTIN_HELDOUT, evaluate_speculator
+    from .prompts import read_prompt_file
+
+    ev = recipe.evaluation
+    options = {k: getattr(ev, k) for k in ("tree", "total_tokens", "top_k") if getattr(ev, k) is not None}
+    meta = {"recipe": recipe.name, "steps": summary["global_step"], "tokens": summary["tokens"]}
+    if recipe.method in ("eagle3", "eagle") and options:
+        meta["drafter_options"] = {**options, "depth": ev.depth}  # load_drafter's default shape
+    spec_dir, target = save_result(recipe, target, module, state_dict, run_dir, meta)
+    sets, skipped = {}, {}
+    for name in ev.prompt_sets:
+        if name == BUILTIN_HELDOUT:
+            sets[name] = heldout[: ev.limit]
+        elif not Path(name).exists():  # e.g. ../shared/data beside a clone: measured where present
+            skipped[name] = "file not found"
+            acc.print(f"[eval] skipping {name}: file not found")
+        else:  # a fixed random sample, so a category-ordered file (MT-bench) is not one category
+            sets[name] = read_prompt_file(name, ev.limit, shuffle=True, seed=0)
+    drafter = load_drafter(str(spec_dir), target=target, **options)
+    result["measured"] = evaluate_speculator(target, drafter, sets, temperatures=ev.temperatures,
+                                             max_new_tokens=ev.max_new_tokens, depth=ev.depth,
+                                             baseline=ev.baseline, max_minutes=ev.max_minutes,
+                                             adaptive=ev.adaptive)
+    result["evaluation"] = {"depth": ev.depth, "adaptive": ev.adaptive, **options,
+                            **({"skipped": skipped} if skipped else {})}
+    result["predicted_tau"] = result["final_metrics"].get("predicted_tau")
+    result["wall_seconds"] = time.perf_counter() - t_start
+    (run_dir / "train_summary.json").write_text(json.dumps(result, indent=2, default=str))
+    acc.log({f"measured/{s}/{t}/tau": v["tau"] for s, per in result["measured"].items() for t, v in per.items()},
+            step=summary["global_step"])
+    print(json.dumps({k: result[k] for k in ("recipe", "tokens_trained", "wall_seconds", "predicted_tau", "measured")},
+                     indent=2, default=str))
 
 
 if __name__ == "__main__":
