@@ -7,45 +7,37 @@ result: ``{"results": [{"token_ids", "seconds", "stats": null}]}`` or ``{"error"
 batch 1, prompts given as token ids (same vocabulary as the target's tokenizer).
 """
 
-import json
 import sys
 import time
-import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_common, beside this file
+from peer_common import run_peer  # noqa: E402
 
 
-def main(request_path: str, result_path: str) -> int:
-    req = json.loads(open(request_path).read())
-    result = {}
-    try:
-        import llama_cpp
+def work(req: dict, result: dict) -> None:
+    import llama_cpp
 
-        llm = llama_cpp.Llama(model_path=req["model"], n_ctx=4096, n_threads=1, verbose=False)
-        result["version"] = llama_cpp.__version__
-        T = float(req["temperature"])
-        eos = llm.token_eos()
-        rows = []
-        for ids, seed in zip(req["prompts"], req["seeds"]):
-            llm.reset()
-            llm.set_seed(int(seed))
-            toks = []
-            t0 = time.perf_counter()
-            for tok in llm.generate(list(ids), temp=T, top_k=0 if T > 0 else 1, top_p=1.0, reset=True):
-                if tok == eos and not req["ignore_eos"]:
-                    toks.append(tok)
-                    break
+    llm = llama_cpp.Llama(model_path=req["model"], n_ctx=4096, n_threads=1, verbose=False)
+    result["version"] = llama_cpp.__version__
+    T = float(req["temperature"])
+    eos = llm.token_eos()
+    rows = []
+    for ids, seed in zip(req["prompts"], req["seeds"]):
+        llm.reset()
+        llm.set_seed(int(seed))
+        toks = []
+        t0 = time.perf_counter()
+        for tok in llm.generate(list(ids), temp=T, top_k=0 if T > 0 else 1, top_p=1.0, reset=True):
+            if tok == eos and not req["ignore_eos"]:
                 toks.append(tok)
-                if len(toks) >= int(req["max_tokens"]):
-                    break
-            rows.append({"token_ids": toks, "seconds": time.perf_counter() - t0, "stats": None})
-        result["results"] = rows
-    except BaseException as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()[-6000:]
-        open(result_path, "w").write(json.dumps(result))
-        return 1
-    open(result_path, "w").write(json.dumps(result))
-    return 0
+                break
+            toks.append(tok)
+            if len(toks) >= int(req["max_tokens"]):
+                break
+        rows.append({"token_ids": toks, "seconds": time.perf_counter() - t0, "stats": None})
+    result["results"] = rows
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(run_peer(work, sys.argv[1], sys.argv[2]))

@@ -8,69 +8,50 @@ prompt alone (batch 1), timed; per-prompt spec-decode counters from vLLM's metri
 ``{"results": [{"token_ids", "seconds", "stats"}], "startup_seconds", "version"}`` or ``{"error"}``.
 """
 
-import json
 import sys
 import time
-import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # vllm_counters, beside this file
-from vllm_counters import spec_decode_counters  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_common, beside this file
+from peer_common import run_peer, spec_decode_counters, vllm_engine  # noqa: E402
 
 
-def main(request_path: str, result_path: str) -> int:
-    req = json.loads(open(request_path).read())
-    result = {}
-    try:
-        import vllm
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
+def work(req: dict, result: dict) -> None:
+    import vllm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
-        result["version"] = vllm.__version__
-        kwargs = dict(model=req["model"], tokenizer=req["model"], dtype=req.get("dtype", "float32"), enforce_eager=True,
-                      max_model_len=int(req["max_model_len"]), seed=0, disable_log_stats=False, max_num_seqs=1)
-        if req.get("speculator"):
-            kwargs["speculative_config"] = {"method": req.get("method", "eagle3"), "model": req["speculator"],
-                                            "num_speculative_tokens": int(req["k"])}
+    result["version"] = vllm.__version__
+    llm = vllm_engine(req, result)
+    T = float(req["temperature"])
+
+    def params(seed):
+        return SamplingParams(temperature=T, top_k=-1 if T > 0 else 1, top_p=1.0, seed=seed,
+                              max_tokens=int(req["max_tokens"]), ignore_eos=bool(req["ignore_eos"]))
+
+    llm.generate([TokensPrompt(prompt_token_ids=list(req["prompts"][0]))], params(0), use_tqdm=False)  # warm-up
+    rows = []
+    for ids, seed in zip(req["prompts"], req["seeds"]):
+        before = spec_decode_counters(llm) if req.get("speculator") else None
         t0 = time.perf_counter()
-        llm = LLM(**kwargs)
-        result["startup_seconds"] = time.perf_counter() - t0
-        T = float(req["temperature"])
-
-        def params(seed):
-            return SamplingParams(temperature=T, top_k=-1 if T > 0 else 1, top_p=1.0, seed=seed,
-                                  max_tokens=int(req["max_tokens"]), ignore_eos=bool(req["ignore_eos"]))
-
-        llm.generate([TokensPrompt(prompt_token_ids=list(req["prompts"][0]))], params(0), use_tqdm=False)  # warm-up
-        rows = []
-        for ids, seed in zip(req["prompts"], req["seeds"]):
-            before = spec_decode_counters(llm) if req.get("speculator") else None
-            t0 = time.perf_counter()
-            out = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params(int(seed)), use_tqdm=False)
-            seconds = time.perf_counter() - t0
-            toks = list(out[0].outputs[0].token_ids)
-            stats = None
-            if before is not None:
-                after = spec_decode_counters(llm)
-                drafts = after["num_drafts"] - before["num_drafts"]
-                prev = before["accepted_per_pos"]
-                per_pos = [a - (prev[i] if i < len(prev) else 0) for i, a in enumerate(after["accepted_per_pos"])]
-                # per position d: tried = accepted at d-1 (drafts for d = 1), passed = accepted at d
-                tried = [drafts] + per_pos[:-1]
-                stats = {"drafted": after["num_draft_tokens"] - before["num_draft_tokens"],
-                         "accepted": after["num_accepted_tokens"] - before["num_accepted_tokens"],
-                         "target_forwards": drafts, "tried": tried, "passed": per_pos,
-                         "tau": len(toks) / drafts if drafts else None}
-            rows.append({"token_ids": toks, "seconds": seconds, "stats": stats})
-        result["results"] = rows
-    except BaseException as exc:  # the caller reports it
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()[-6000:]
-        open(result_path, "w").write(json.dumps(result))
-        return 1
-    open(result_path, "w").write(json.dumps(result))
-    return 0
+        out = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params(int(seed)), use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        toks = list(out[0].outputs[0].token_ids)
+        stats = None
+        if before is not None:
+            after = spec_decode_counters(llm)
+            drafts = after["num_drafts"] - before["num_drafts"]
+            prev = before["accepted_per_pos"]
+            per_pos = [a - (prev[i] if i < len(prev) else 0) for i, a in enumerate(after["accepted_per_pos"])]
+            # per position d: tried = accepted at d-1 (drafts for d = 1), passed = accepted at d
+            tried = [drafts] + per_pos[:-1]
+            stats = {"drafted": after["num_draft_tokens"] - before["num_draft_tokens"],
+                     "accepted": after["num_accepted_tokens"] - before["num_accepted_tokens"],
+                     "target_forwards": drafts, "tried": tried, "passed": per_pos,
+                     "tau": len(toks) / drafts if drafts else None}
+        rows.append({"token_ids": toks, "seconds": seconds, "stats": stats})
+    result["results"] = rows
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(run_peer(work, sys.argv[1], sys.argv[2]))
