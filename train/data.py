@@ -286,6 +286,7 @@ class ChatFormat:
         if self.tokenizer is not None and not self.has_template:
             raise ValueError("the target's tokenizer has no chat template; self-distillation needs one")
         self.vocab_size = target.vocab_size
+        self._end_of_user = self._end_of_assistant = None  # the template's end-of-turn tokens
         if self.has_template:
             self._end_of_user = self._token_after_sentinel([{"role": "user", "content": _SENTINEL}])
             self._end_of_assistant = self._token_after_sentinel(
@@ -337,25 +338,23 @@ class ChatFormat:
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _SENTINEL}]
         return self._encode_plain(self._render(msgs).split(_SENTINEL, 1)[0])
 
+    def _stop_ids(self, end_of_turn: int | None) -> list[int]:
+        ids = set(self.target.eos_token_ids)
+        if not self.has_template:
+            ids.add(self.TOY_END)
+        elif end_of_turn is not None:
+            ids.add(end_of_turn)
+        return sorted(ids)
+
     @property
     def user_stop_ids(self) -> list[int]:
         """Tokens that end a user turn (Magpie stops there)."""
-        if not self.has_template:
-            return sorted({self.TOY_END} | set(self.target.eos_token_ids))
-        ids = set(self.target.eos_token_ids)
-        if self._end_of_user is not None:
-            ids.add(self._end_of_user)
-        return sorted(ids)
+        return self._stop_ids(self._end_of_user)
 
     @property
     def assistant_stop_ids(self) -> list[int]:
         """Tokens that end an assistant turn (self-distillation stops there)."""
-        if not self.has_template:
-            return sorted({self.TOY_END} | set(self.target.eos_token_ids))
-        ids = set(self.target.eos_token_ids)
-        if self._end_of_assistant is not None:
-            ids.add(self._end_of_assistant)
-        return sorted(ids)
+        return self._stop_ids(self._end_of_assistant)
 
     def encode_text(self, text: str) -> list[int]:
         """Plain text -> ids, no special tokens (for continuing a templated prefix)."""
