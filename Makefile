@@ -78,3 +78,10 @@ CHECK_VLLM_ARGS ?=
 .PHONY: check-vllm
 check-vllm: $(STAMP)
 	$(BIN)/python tools/check_vllm.py $(CHECK_VLLM_ARGS)
+
+# llama.cpp as an optional bench peer (`--peers llamacpp,llamacpp-lookup`): llama-cpp-python
+# in its own venv .venv-llamacpp, compiled from source (~15 min on 2 cores; never a dependency).
+.PHONY: llamacpp-peer
+llamacpp-peer:
+	test -x .venv-llamacpp/bin/python || $(PY) -m venv .venv-llamacpp
+	.venv-llamacpp/bin/python -m pip install -q llama-cpp-python

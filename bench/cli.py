@@ -1,7 +1,7 @@
 """``specfoundry bench``: benchmark our decoding methods and peers on prompt sets.
 
     specfoundry bench [--run runs/<recipe> ...] [--data FILE ...] [--categories C,...] [--limit N]
-        [--methods SPEC,...] [--peers auto|none|hf,hf-lookup,hf-assisted,vllm,vllm-eagle3,llamacpp]
+        [--methods SPEC,...] [--peers auto|none|hf,hf-lookup,hf-assisted,vllm,vllm-eagle3,llamacpp,llamacpp-lookup]
         [--temperature 0 1] [--max-new-tokens N] [--repeats N] [--target T] [--out DIR]
 
 Writes ``runs/bench/<timestamp>/``: ``report.json``, ``report.md`` and three PNG plots. Exit code
@@ -18,7 +18,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-DEFAULT_PEERS = ("hf", "hf-lookup", "hf-assisted", "vllm", "vllm-eagle3", "llamacpp")
+DEFAULT_PEERS = ("hf", "hf-lookup", "hf-assisted", "vllm", "vllm-eagle3", "llamacpp", "llamacpp-lookup")
 
 
 def register(subparsers) -> None:
@@ -103,7 +103,9 @@ def build_methods(factory, target, target_source: str, specs: str, peers: str, w
         methods.append(m)
     unavailable = []
     eagle3 = factory.sources.get("eagle3")
-    ext = sorted((p for p in peer_specs if parse_spec(p)[0] in EXTERNAL_PEERS), key=lambda p: parse_spec(p)[0] != "vllm")
+    # a peer compared with another peer's output runs after it
+    ext = sorted((p for p in peer_specs if parse_spec(p)[0] in EXTERNAL_PEERS),
+                 key=lambda p: parse_spec(p)[0] in ("vllm-eagle3", "llamacpp-lookup"))
     for spec in ext:
         name, _, depth = parse_spec(spec)
         ok, reason = availability(name, target_source, bool(eagle3 and eagle3.trained), str(target.dtype).replace("torch.", ""))

@@ -3,8 +3,11 @@
 - ``vllm`` / ``vllm-eagle3[@K]``: vLLM on CPU from ``.venv-vllm`` (``make check-vllm`` builds it),
   plain and with our EAGLE-3 head exported to the speculators format; one engine per
   subprocess (:mod:`specfoundry.bench.vllm_peer`), prompts run one at a time and timed each.
-- ``llamacpp``: ``llama-cpp-python`` if importable in one of the project's virtualenvs, on the
-  built-in target's GGUF (Q4_1 weights, so its outputs are compared for information only).
+- ``llamacpp`` / ``llamacpp-lookup[@K]``: ``llama-cpp-python`` if importable in one of the project's
+  virtualenvs (``make llamacpp-peer`` builds ``.venv-llamacpp``), on the built-in target's GGUF (Q4_1
+  weights, so plain llama.cpp is compared with our output for information only), plain and with its
+  prompt lookup decoding; the lookup output is compared token for token with llama.cpp's own plain
+  output, and the report shows where they differ.
 
 These cannot be interleaved with our methods (an engine takes minutes to start), so they run
 after the interleaved loop on the same prompt ids; the report marks them ``interleaved: false``.
@@ -32,7 +35,7 @@ def project_root() -> Path:
 
 def venv_pythons() -> list[Path]:
     root = project_root()
-    return [p for p in (root / v / "bin" / "python" for v in (".venv", ".venv-vllm", ".venv-speculators")) if p.exists()]
+    return [p for p in (root / v / "bin" / "python" for v in (".venv", ".venv-vllm", ".venv-speculators", ".venv-llamacpp")) if p.exists()]
 
 
 def _imports(python: Path, module: str) -> bool:
@@ -57,7 +60,7 @@ def availability(name: str, target_source: str, eagle3_run: bool, dtype: str = "
         if name == "vllm-eagle3" and not eagle3_run:
             return False, "needs a trained eagle3 run (--run runs/<recipe>): an untrained head is never accepted"
         return True, "ok"
-    if name == "llamacpp":
+    if name in ("llamacpp", "llamacpp-lookup"):
         found = [p for p in venv_pythons() if _imports(p, "llama_cpp")]
         if not found:
             tried = ", ".join(str(p.parent.parent.name) for p in venv_pythons()) or "none found"
@@ -107,11 +110,15 @@ def external_method(name: str, depth: int | None, target, target_source: str, wo
     from specfoundry.runtime.models import resolve_target_path
 
     dtype = str(target.dtype).replace("torch.", "")
-    if name == "llamacpp":
+    if name in ("llamacpp", "llamacpp-lookup"):
         python = Path(availability(name, target_source, False)[1])
         label = "llama.cpp (llama-cpp-python), the GGUF's Q4_1 weights"
         request_base = {"model": str(gguf_path(target_source))}
         script = HERE / "llamacpp_peer.py"
+        if name == "llamacpp-lookup":
+            depth = depth or 5  # as hf-lookup: K drafted tokens, n-grams up to 3
+            request_base.update(lookup=depth, max_ngram=3)
+            label += f", prompt lookup decoding (LlamaPromptLookupDecoding, {depth} tokens, max n-gram 3)"
     else:
         python, script = vllm_python(), HERE / "vllm_peer.py"
         model_dir = str(resolve_target_path(target_source)[0])
@@ -139,11 +146,16 @@ def external_method(name: str, depth: int | None, target, target_source: str, wo
             raise RuntimeError(f"{name}: {out['error']}")
         return [RunResult(r["token_ids"], r["seconds"], r.get("stats")) for r in out["results"]]
 
-    check = "strict" if name == "vllm-eagle3" else "info"
-    note = ("separate engine process, not interleaved; " +
-            ("lossless check against vLLM's own plain greedy output" if name == "vllm-eagle3"
-             else "other kernels/weights: identical-output rate vs our greedy is informational"))
-    return Method(name + (f"@{depth}" if name == "vllm-eagle3" else ""), label, "peer", None, draft_depth=depth,
-                  interleaved=False, check=check, reference="vllm" if name == "vllm-eagle3" else "plain", note=note,
-                  batch_runner=batch)
+    if name == "vllm-eagle3":
+        check, reference, note = "strict", "vllm", "lossless check against vLLM's own plain greedy output"
+    elif name == "llamacpp-lookup":
+        # llama.cpp's own losslessness: exact equality with its plain output (our target's logits
+        # cannot judge near-ties of Q4_1 weights), shown as "differs", not as our failure
+        check, reference, note = "exact", "llamacpp", "compared token for token with llama.cpp's own plain output"
+    else:
+        check, reference = ("exact" if name == "llamacpp" else "info"), "plain"
+        note = "other kernels/weights: identical-output rate vs our greedy is informational"
+    suffix = f"@{depth}" if name in ("vllm-eagle3", "llamacpp-lookup") else ""
+    return Method(name + suffix, label, "peer", None, draft_depth=depth, interleaved=False, check=check,
+                  reference=reference, note="separate engine process, not interleaved; " + note, batch_runner=batch)
 

@@ -2,7 +2,8 @@
 
     python llamacpp_peer.py <request.json> <result.json>
 
-request: ``{"model": gguf, "prompts": [[ids]], "max_tokens", "temperature", "seeds", "ignore_eos"}``;
+request: ``{"model": gguf, "prompts": [[ids]], "max_tokens", "temperature", "seeds", "ignore_eos"}`` and,
+for llama-cpp-python's prompt lookup decoding, ``"lookup": K`` (draft tokens) and ``"max_ngram"``;
 result: ``{"results": [{"token_ids", "seconds", "stats": null}]}`` or ``{"error"}``. One thread,
 batch 1, prompts given as token ids (same vocabulary as the target's tokenizer).
 """
@@ -16,9 +17,20 @@ from peer_common import run_peer  # noqa: E402
 
 
 def work(req: dict, result: dict) -> None:
+    import inspect
+
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=req["model"], n_ctx=4096, n_threads=1, verbose=False)
+    kwargs = dict(model_path=req["model"], n_ctx=4096, n_threads=1, verbose=False)
+    if "use_extra_bufts" in inspect.signature(llama_cpp.Llama.__init__).parameters:
+        # the extra (AMX) buffer types hit an illegal instruction on this development machine's CPU
+        kwargs["use_extra_bufts"] = False
+    if req.get("lookup"):
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=int(req["lookup"]),
+                                                          max_ngram_size=int(req.get("max_ngram", 3)))
+    llm = llama_cpp.Llama(**kwargs)
     result["version"] = llama_cpp.__version__
     T = float(req["temperature"])
     eos = llm.token_eos()

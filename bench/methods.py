@@ -8,7 +8,7 @@ A method spec is ``SOURCE[:SHAPE][@DEPTH]``:
 - ``medusa``: ``static`` (its static tree, default), ``chain``, ``adaptive``;
 - ``eagle`` / ``eagle3``: ``dynamic`` (EAGLE-2 tree, default), ``chain``, ``adaptive``;
 - peers: ``hf``, ``hf-lookup[@K]``, ``hf-assisted``; out-of-process peers (``vllm``,
-  ``vllm-eagle3[@K]``, ``llamacpp``) live in :mod:`specfoundry.bench.external`.
+  ``vllm-eagle3[@K]``, ``llamacpp``, ``llamacpp-lookup[@K]``) live in :mod:`specfoundry.bench.external`.
 
 Fixed shapes run with the adaptive controller off (the draft shape is exactly the one named);
 ``adaptive`` is the drafter's natural shape with the controller on. ``draft``/``medusa``/
@@ -36,7 +36,7 @@ from specfoundry.runtime.tree import tree_depths
 SHAPES = {"ngram": ("chain", "adaptive"), "draft": ("chain", "adaptive"), "medusa": ("static", "chain", "adaptive"),
           "eagle": ("dynamic", "chain", "adaptive"), "eagle3": ("dynamic", "chain", "adaptive")}
 HF_PEERS = ("hf", "hf-lookup", "hf-assisted")
-EXTERNAL_PEERS = ("vllm", "vllm-eagle3", "llamacpp")
+EXTERNAL_PEERS = ("vllm", "vllm-eagle3", "llamacpp", "llamacpp-lookup")
 _SPEC = re.compile(r"^(?P<src>[A-Za-z0-9_.\-]+?)(?::(?P<shape>[a-z]+))?(?:@(?P<depth>\d+))?$")
 
 
@@ -51,8 +51,9 @@ class RunResult:
 class Method:
     """One benchmarked method. ``runner(prompt_ids, max_new_tokens, temperature, seed,
     stop_at_eos) -> RunResult``; ``check``: ``"strict"`` (T=0 output must equal ``reference``'s
-    greedy output, near-ties aside) or ``"info"`` (other weights/kernels: the rate is reported,
-    a divergence is not a failure)."""
+    greedy output, near-ties aside), ``"info"`` (other weights/kernels: the rate is reported,
+    a divergence is not a failure) or ``"exact"`` (as info, with no near-tie judgement: the
+    reference ran other weights than our target, e.g. a GGUF)."""
 
     name: str
     label: str

@@ -167,8 +167,9 @@ def test_tiny_bench_run_writes_valid_report_markdown_and_plots(tiny_dir, tmp_pat
     assert names[0] == "plain" and {"hf", "hf-lookup@5", "hf-assisted", "eagle3:dynamic@5", "medusa:static@4"} <= set(names)
     # conversation prompt 1 has two turns, math one: 3 turns x 2 temperatures per method
     assert len(report["records"]) == len(names) * 3 * 2
-    assert any(u["name"] == "llamacpp" and "not installed" in u["reason"] for u in report["unavailable"]) or \
-        "llamacpp" in names
+    # llama.cpp: not installed here, or installed but the tiny target has no GGUF
+    assert any(u["name"] == "llamacpp" and ("not installed" in u["reason"] or "needs a GGUF" in u["reason"])
+               for u in report["unavailable"]), report["unavailable"]
     for r in report["records"]:
         status = r["check"]["status"]
         if r["temperature"] > 0 or r["method"] == "plain":
@@ -281,6 +282,46 @@ def test_speed_up_is_computed_from_interleaved_per_prompt_timings(tiny_chat):
     import statistics
 
     assert row["median_speed_up"] == pytest.approx(statistics.median(u["fixed"]["speed_up"] for u in units.values()))
+
+
+def test_external_peer_is_compared_with_its_own_plain_peer(tiny_chat, tmp_path):
+    # llamacpp-lookup is judged against llamacpp's output (not ours), exactly (other weights: no
+    # near-tie judgement), and a divergence is shown as "differs", never as our lossless failure
+    f, _ = _methods(tiny_chat)
+    plain = f.plain()
+    calls = []
+
+    def peer_runner(alter):
+        def batch(prompts, max_new_tokens, temperature, seeds, stop_at_eos):
+            calls.append(alter)
+            outs = [plain.runner(p, max_new_tokens, temperature, s, stop_at_eos) for p, s in zip(prompts, seeds)]
+            if alter:  # the "lookup" peer changes the last token of every output
+                for o in outs:
+                    o.token_ids[-1] = (o.token_ids[-1] + 1) % tiny_chat.vocab_size
+            return [RunResult(o.token_ids, 0.1, None) for o in outs]
+        return batch
+
+    peer = Method("llamacpp", "peer plain", "peer", None, interleaved=False, check="exact", reference="plain",
+                  batch_runner=peer_runner(False))
+    lookup = Method("llamacpp-lookup@5", "peer lookup", "peer", None, interleaved=False, check="exact",
+                    reference="llamacpp", batch_runner=peer_runner(True))
+    methods = [plain, peer, lookup]
+    prompts = select(load_prompts(None), ["code", "math"], limit=1)
+    raw = run_bench(tiny_chat, prompts, methods, temperatures=[0.0], max_new_tokens=6, progress=False)
+    assert calls == [False, True]  # one engine call per peer, the reference first
+    status = {(r["method"], r["question_id"]): r["check"] for r in raw["records"]}
+    for qid in {q for _, q in status}:
+        assert status[("llamacpp", qid)]["status"] == "identical"
+        lk = status[("llamacpp-lookup@5", qid)]
+        assert lk["status"] == "differs" and lk["reference"] == "llamacpp" and lk["first_divergence"] is not None
+    rc = write_report(tmp_path, raw, [m.describe() for m in methods], [], {
+        "target": "tiny", "dtype": "float64", "temperatures": [0.0], "max_new_tokens": 6, "repeats": 1, "seed": 0,
+        "stop_at_eos": True, "datasets": ["builtin"], "limit": 1})
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert rc == 0 and report["passed"] and validate_report(report) == []
+    row = report["summary"]["T=0"]["overall"]["llamacpp-lookup@5"]
+    assert row["differs"] == 2 and row["identical"] == 0 and row["failures"] == 0
+    assert "2 differ, informational" in (tmp_path / "report.md").read_text()
 
 
 def test_cli_errors_are_one_line(tiny_dir, tmp_path, capsys):
