@@ -437,3 +437,31 @@ def test_offline_prepare_resumes_and_refuses_other_targets(tiny_target, tmp_path
 
     with pytest.raises(ValueError, match="target"):
         HiddenStateSource("offline", tiny_llama(1), (1, 2), cache_dir=cache).prepare(ds, progress=False)
+
+
+def test_dataset_hash_is_one_pass_per_dataset_object():
+    # the run names its feature store by the hash and the store's manifest records it: the
+    # second ask must not read every token again, while other data must hash differently
+    from datasets import Dataset
+
+    from specfoundry.train.features import dataset_hash
+
+    rows = {"id": [0, 1, 2], "input_ids": [[1, 2, 3], [4, 5], [6]], "loss_mask": [[0, 1, 1], [1, 1], [1]]}
+    ds = Dataset.from_dict(rows)
+    reads = []
+    real = Dataset.__getitem__
+
+    class Counting(Dataset):
+        def __getitem__(self, key):
+            reads.append(key)
+            return real(self, key)
+
+    ds.__class__ = Counting
+    first = dataset_hash(ds)
+    assert len(reads) == 3
+    assert dataset_hash(ds) == first and len(reads) == 3  # remembered, not re-read
+    other = Dataset.from_dict({**rows, "input_ids": [[1, 2, 3], [4, 5], [7]]})
+    assert dataset_hash(other) != first
+    assert dataset_hash(Dataset.from_dict(rows)) == first  # content, not identity, decides the value
+    listed = [dict(zip(rows, vals)) for vals in zip(*rows.values())]
+    assert dataset_hash(listed) == first  # plain lists (no weak reference) still hash, every time

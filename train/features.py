@@ -26,6 +26,7 @@ import json
 import math
 import os
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -39,16 +40,30 @@ FORMAT = "specfoundry-hidden-states-v1"
 
 def dataset_hash(dataset) -> str:
     """Hash of every example's id, tokens and loss mask (what the stored states depend on, plus
-    the masks the batches carry)."""
+    the masks the batches carry). Hashing every token costs a pass over the data, so the result
+    is remembered per dataset object (the run names its feature store by it, the store's
+    manifest records it: one pass, not two)."""
     import hashlib
 
+    key = id(dataset)
+    ref, n, digest = _HASHES.get(key, (None, None, None))
+    if ref is not None and ref() is dataset and n == len(dataset):
+        return digest
     h = hashlib.sha256()
     for i in range(len(dataset)):
         row = dataset[i]
         h.update(str(_example_id(row, i)).encode())
         h.update(np.asarray(row["input_ids"], dtype=np.int64).tobytes())
         h.update(np.asarray(row["loss_mask"], dtype=np.bool_).tobytes())
-    return h.hexdigest()[:16]
+    digest = h.hexdigest()[:16]
+    try:  # a weak reference: the cache never keeps a dataset alive (lists cannot be referenced so)
+        _HASHES[key] = (weakref.ref(dataset), len(dataset), digest)
+    except TypeError:
+        pass
+    return digest
+
+
+_HASHES: dict[int, tuple] = {}
 
 
 def _example_id(row: dict, index: int) -> int:
@@ -139,14 +154,6 @@ class HiddenStateSource:
         return feats, out.last_hidden_state.to(self.last_hidden_dtype) * keep[..., None]
 
     # -- offline storage -----------------------------------------------------------------------
-    def _dataset_hash(self, dataset) -> str:
-        # hashing every token costs a pass over the data: do it once per dataset object (the
-        # reference is kept so the object cannot be replaced by another at the same id)
-        cached = getattr(self, "_hash_cache", None)
-        if cached is None or cached[0] is not dataset or cached[1] != len(dataset):
-            self._hash_cache = (dataset, len(dataset), dataset_hash(dataset))
-        return self._hash_cache[2]
-
     def header(self, dataset) -> dict:
         """What the stored states depend on; a manifest with a different header is refused."""
         return {
@@ -157,7 +164,7 @@ class HiddenStateSource:
             "dtype": dtype_name(self.dtype),
             "last_hidden_dtype": dtype_name(self.last_hidden_dtype),
             "shard_tokens": self.shard_tokens,
-            "dataset": self._dataset_hash(dataset),
+            "dataset": dataset_hash(dataset),
             "num_examples": len(dataset),
             # batched capture rounds differently from one forward per example (same values up to
             # kernel rounding), so the two are never mixed in one cache
