@@ -46,12 +46,12 @@ def check_output(target, method: Method, prompt_ids, out: RunResult, ref: RunRes
     cmp = compare_greedy(target, prompt_ids, out.token_ids, ref.token_ids)
     if cmp.identical:
         status = "identical"
+    elif method.check == "exact":
+        status = "differs"  # other weights (a GGUF): our target's logits cannot call it a near-tie
     elif cmp.near_tie:
         status = "near_tie"
     else:
         status = "FAIL" if method.check == "strict" else "differs"
-    if method.check == "exact" and not cmp.identical:
-        status = "differs"  # other weights (a GGUF): our target's logits cannot call it a near-tie
     return {"status": status, "reference": method.reference, "first_divergence": cmp.first_divergence,
             "top2_gap": cmp.top2_gap}
 

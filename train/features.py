@@ -56,9 +56,9 @@ def dataset_hash(dataset) -> str:
         h.update(np.asarray(row["input_ids"], dtype=np.int64).tobytes())
         h.update(np.asarray(row["loss_mask"], dtype=np.bool_).tobytes())
     digest = h.hexdigest()[:16]
-    try:  # a weak reference: the cache never keeps a dataset alive (lists cannot be referenced so)
-        _HASHES[key] = (weakref.ref(dataset), len(dataset), digest)
-    except TypeError:
+    try:  # a weak reference: the cache never keeps a dataset alive, and its entry goes with it
+        _HASHES[key] = (weakref.ref(dataset, lambda _, k=key: _HASHES.pop(k, None)), len(dataset), digest)
+    except TypeError:  # a plain list cannot be weakly referenced: hashed again each time
         pass
     return digest
 
