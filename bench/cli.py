@@ -3,6 +3,8 @@
     specfoundry bench [--run runs/<recipe> ...] [--data FILE ...] [--categories C,...] [--limit N]
         [--methods SPEC,...] [--peers auto|none|hf,hf-lookup,hf-assisted,vllm,vllm-eagle3,llamacpp,llamacpp-lookup]
         [--temperature 0 1] [--max-new-tokens N] [--repeats N] [--target T] [--out DIR]
+    specfoundry bench --render DIR            # re-summarise a report.json
+    specfoundry bench --merge DIR DIR ... --out DIR   # pool runs split by category/temperature
 
 Writes ``runs/bench/<timestamp>/``: ``report.json``, ``report.md`` and three PNG plots. Exit code
 0 when every checked greedy output equals its reference (near-ties aside), 1 on a lossless
@@ -51,6 +53,9 @@ def register(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--render", metavar="DIR", default=None,
                    help="re-summarise an existing DIR/report.json (tables, plots, report.md) without running anything")
+    p.add_argument("--merge", metavar="DIR", nargs="+", default=None,
+                   help="pool the records of several runs with the same methods and settings (e.g. parts split by "
+                        "category or temperature) into one report in --out; runs nothing")
     p.set_defaults(func=run_cli)
 
 
@@ -119,6 +124,8 @@ def build_methods(factory, target, target_source: str, specs: str, peers: str, w
 def run_cli(args) -> int:
     if args.render:
         return render_existing(Path(args.render))
+    if args.merge:
+        return merge_existing([Path(d) for d in args.merge], args.out)
     import torch
 
     from specfoundry.runtime.cli import DTYPES
@@ -169,27 +176,44 @@ def render_existing(out: Path) -> int:
     (e.g. after an upgrade added a column); the measurements and the environment are kept."""
     import json
 
-    from .report import failures_of, summarize, to_markdown, validate_report, write_json
-
     path = Path(out) / "report.json"
     if not path.is_file():
         raise SystemExit(f"specfoundry bench --render: no report.json in {out}")
-    report = json.loads(path.read_text())
+    return _finish(json.loads(path.read_text()), Path(out), "re-rendered")
+
+
+def merge_existing(dirs: list[Path], out: str | None) -> int:
+    """``--merge``: one report in ``out`` from the records of several runs (see :mod:`.merge`)."""
+    from .merge import merge_reports
+
+    if not out:
+        raise ValueError("--merge needs --out DIR for the merged report")
+    report = merge_reports(dirs)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return _finish(report, Path(out), f"merged {len(dirs)} runs into")
+
+
+def _finish(report: dict, out: Path, verb: str) -> int:
+    """Summary, failures, plots, validation, report.json and report.md for ``report``'s records."""
+    from .report import failures_of, summarize, to_markdown, validate_report, write_json
+
     report["summary"] = summarize(report["records"], report["methods"])
     report["failures"] = failures_of(report["records"])
     report["passed"] = not report["failures"]
+    report["files"] = {"json": str(out / "report.json"), "markdown": str(out / "report.md"),
+                       "plots": report["files"].get("plots", [])}
     try:
         from .plots import write_plots
 
-        report["files"]["plots"] = [str(p) for p in write_plots(report["summary"], report["methods"], Path(out))]
+        report["files"]["plots"] = [str(p) for p in write_plots(report["summary"], report["methods"], out)]
     except ImportError:
         pass
     problems = validate_report(report)
     if problems:
-        raise SystemExit(f"specfoundry bench --render: {path} is not a valid report: {problems[0]}")
-    write_json(report, path)
-    (Path(out) / "report.md").write_text(to_markdown(report))
-    print(f"[bench] re-rendered {Path(out) / 'report.md'}", file=sys.stderr)
+        raise SystemExit(f"specfoundry bench: {out / 'report.json'} would not be a valid report: {problems[0]}")
+    write_json(report, out / "report.json")
+    (out / "report.md").write_text(to_markdown(report))
+    print(f"[bench] {verb} {out / 'report.md'}", file=sys.stderr)
     return 0 if report["passed"] else 1
 
 

@@ -240,8 +240,13 @@ def to_markdown(report: dict) -> str:
           + (f" (first {st['limit']} per category)" if st["limit"] else "") + ".",
           f"Machine: {env['platform']} ({env['machine']}, {env['cpu_count']} CPUs, {env['torch_threads']} torch threads); "
           f"python {env['python']}, torch {env['torch']}, transformers {env['transformers']}; commit `{env['git_commit']}`; "
-          f"{report['created']}.", "",
-          "Methods run interleaved per prompt after a warm-up (plain first, the rest in a rotating order); speed-up = "
+          f"{report['created']}.", ""]
+    if report.get("parts"):
+        L += [f"Merged from {len(report['parts'])} runs with the same methods and settings (each speed-up is a "
+              "ratio within one run's prompt): " + "; ".join(
+                  f"`{p['dir']}` ({', '.join(p['categories']) or '-'}; T={', '.join(f'{t:g}' for t in p['temperatures'])}; "
+                  f"commit `{p['git_commit']}`, {p['created']})" for p in report["parts"]) + ".", ""]
+    L += ["Methods run interleaved per prompt after a warm-up (plain first, the rest in a rotating order); speed-up = "
           "time per token of plain decoding / of the method on the same prompt, median over prompts. tau = new tokens "
           "per target forward (pooled). *pred.* = expected tokens per forward from the measured per-position "
           "acceptance at the method's draft length; *Leviathan* = (1-a^(k+1))/(1-a) with the pooled a; *k\\** = the "

@@ -367,3 +367,47 @@ def test_bench_is_packaged_with_its_entry_point_and_data():
     assert cfg["project"]["entry-points"]["specfoundry.commands"]["bench"] == "specfoundry.bench.cli:register"
     assert BUILTIN.is_file() and BUILTIN.parent.parent == ROOT / "bench"
     assert not any(p.is_dir() and any(p.glob("*.py")) and not (p / "__init__.py").exists() for p in (ROOT / "bench").rglob("*"))
+
+
+def test_merge_pools_parts_split_by_category_and_temperature(tiny_dir, tmp_path, capsys):
+    base = ["bench", "--target", str(tiny_dir), "--dtype", "float64", "--limit", "1", "--max-new-tokens", "6",
+            "--methods", "plain,ngram:chain", "--peers", "hf", "--no-progress"]
+    parts = {"conv0": ["--categories", "conversation", "--temperature", "0"],
+             "math0": ["--categories", "math", "--temperature", "0"],
+             "math1": ["--categories", "math", "--temperature", "1"]}
+    for name, extra in parts.items():
+        assert cli_main(base + extra + ["--out", str(tmp_path / name)]) == 0, capsys.readouterr().err
+    reps = {n: json.loads((tmp_path / n / "report.json").read_text()) for n in parts}
+    out = tmp_path / "merged"
+    assert cli_main(["bench", "--merge", *(str(tmp_path / n) for n in parts), "--out", str(out)]) == 0
+    merged = json.loads((out / "report.json").read_text())
+    assert validate_report(merged) == [] and merged["passed"]
+    assert len(merged["records"]) == sum(len(r["records"]) for r in reps.values())
+    assert merged["settings"]["temperatures"] == [0.0, 1.0] and merged["settings"]["prompts"] == 3
+    # per-category rows are the parts' own rows (the same records); overall pools both categories
+    t0 = merged["summary"]["T=0"]
+    assert t0["by_category"]["builtin:conversation"] == reps["conv0"]["summary"]["T=0"]["by_category"]["builtin:conversation"]
+    assert t0["by_category"]["builtin:math"] == reps["math0"]["summary"]["T=0"]["by_category"]["builtin:math"]
+    assert merged["summary"]["T=1"]["overall"] == reps["math1"]["summary"]["T=1"]["overall"]
+    assert t0["overall"]["plain"]["n"] == (reps["conv0"]["summary"]["T=0"]["overall"]["plain"]["n"]
+                                           + reps["math0"]["summary"]["T=0"]["overall"]["plain"]["n"])
+    md = (out / "report.md").read_text()
+    assert "Merged from 3 runs" in md and "## T=1: overall" in md and (out / "speedup_by_category.png").is_file()
+    capsys.readouterr()
+    # refused: a prompt measured twice, other methods, other settings, no --out
+    for dirs, extra, msg in [(["conv0", "conv0"], [], "is in both"),
+                             (["conv0", "math0"], [], None)]:
+        rc = cli_main(["bench", "--merge", *(str(tmp_path / d) for d in dirs), "--out", str(tmp_path / "m2")] + extra)
+        err = capsys.readouterr().err
+        assert (rc == 2 and msg in err) if msg else rc == 0, err
+    assert cli_main(base + ["--categories", "math", "--temperature", "0", "--methods", "plain", "--out",
+                            str(tmp_path / "other")]) == 0
+    assert cli_main(base + ["--categories", "math", "--temperature", "0", "--max-new-tokens", "5", "--out",
+                            str(tmp_path / "short")]) == 0
+    capsys.readouterr()
+    for other, msg in [("other", "measured other methods"), ("short", "max_new_tokens=5")]:
+        assert cli_main(["bench", "--merge", str(tmp_path / "conv0"), str(tmp_path / other), "--out",
+                         str(tmp_path / "m3")]) == 2
+        assert msg in capsys.readouterr().err
+    assert cli_main(["bench", "--merge", str(tmp_path / "conv0"), str(tmp_path / "math0")]) == 2
+    assert "needs --out" in capsys.readouterr().err
