@@ -160,6 +160,7 @@ def run_cli(args) -> int:
     methods, unavailable = build_methods(factory, target, args.target, args.methods, args.peers, out / "engines")
     for u in unavailable:
         print(f"[bench] {u['name']}: {u['reason']}", file=sys.stderr)
+    env = environment()  # before the run: the commit and threads that measured, not those at the end
     raw = run_bench(target, prompts, methods, temperatures=temps, max_new_tokens=args.max_new_tokens,
                     repeats=args.repeats, seed=args.seed, stop_at_eos=not args.ignore_eos, progress=not args.no_progress)
     described = [m.describe() for m in methods]
@@ -168,7 +169,7 @@ def run_cli(args) -> int:
         "repeats": args.repeats, "seed": args.seed, "stop_at_eos": not args.ignore_eos,
         "datasets": sorted({p.dataset for p in prompts}), "limit": args.limit, "runs": [str(r) for r in args.run],
         "categories": sorted({p.key for p in prompts}), "prompts": len(prompts),
-        "turns": sum(len(p.turns) for p in prompts), "device": args.device})
+        "turns": sum(len(p.turns) for p in prompts), "device": args.device}, env)
 
 
 def render_existing(out: Path) -> int:
@@ -217,7 +218,8 @@ def _finish(report: dict, out: Path, verb: str) -> int:
     return 0 if report["passed"] else 1
 
 
-def write_report(out: Path, raw: dict, methods: list[dict], unavailable: list[dict], settings: dict) -> int:
+def write_report(out: Path, raw: dict, methods: list[dict], unavailable: list[dict], settings: dict,
+                 env: dict | None = None) -> int:
     """Write report.json, the plots and report.md into ``out``; 0 when passed, 1 otherwise."""
     from .report import SCHEMA_ID, failures_of, summarize, to_markdown, write_json
 
@@ -225,7 +227,7 @@ def write_report(out: Path, raw: dict, methods: list[dict], unavailable: list[di
     summary = summarize(records, methods)
     failures = failures_of(records)
     report = {"schema": SCHEMA_ID, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "passed": not failures, "environment": environment(), "settings": settings, "methods": methods,
+              "passed": not failures, "environment": env or environment(), "settings": settings, "methods": methods,
               "unavailable": unavailable, "errors": raw["errors"], "seconds": raw["seconds"], "records": records,
               "summary": summary, "failures": failures,
               "files": {"json": str(out / "report.json"), "markdown": str(out / "report.md"), "plots": []}}
