@@ -411,3 +411,21 @@ def test_merge_pools_parts_split_by_category_and_temperature(tiny_dir, tmp_path,
         assert msg in capsys.readouterr().err
     assert cli_main(["bench", "--merge", str(tmp_path / "conv0"), str(tmp_path / "math0")]) == 2
     assert "needs --out" in capsys.readouterr().err
+
+
+def test_external_peers_run_after_the_peer_they_are_judged_against(tiny_chat, tmp_path, monkeypatch):
+    # --peers order is the user's; a lookup/speculative peer compared with another peer's output
+    # must still run after that peer (its reference output must exist when it is checked)
+    import specfoundry.bench.external as external
+    from specfoundry.bench.cli import build_methods
+
+    monkeypatch.setattr(external, "availability", lambda name, *a, **k: (name != "vllm-eagle3", "no head here"))
+    monkeypatch.setattr(external, "external_method", lambda name, depth, *a, **k: Method(
+        name, name, "peer", None, interleaved=False, check="exact", reference="plain"))
+    f, _ = _methods(tiny_chat)
+    methods, unavailable = build_methods(f, tiny_chat, "tiny", "plain,ngram:chain",
+                                         "llamacpp-lookup,vllm-eagle3,hf,llamacpp,vllm", tmp_path)
+    names = [m.name for m in methods]
+    assert names[:3] == ["plain", "ngram:chain@5", "hf"]  # ours, then in-process peers, interleaved
+    assert names[3:] == ["llamacpp", "vllm", "llamacpp-lookup"]
+    assert unavailable == [{"name": "vllm-eagle3", "reason": "no head here"}]
