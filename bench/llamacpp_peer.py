@@ -30,6 +30,10 @@ def work(req: dict, result: dict) -> None:
 
         kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=int(req["lookup"]),
                                                           max_ngram_size=int(req.get("max_ngram", 3)))
+        # with a draft model llama-cpp-python keeps logits for every position but sizes its score
+        # buffer from the logits_all argument (n_batch = 512 rows when False): a prompt plus output
+        # past 512 tokens then fails with "could not broadcast ... into shape (0,)"
+        kwargs["logits_all"] = True
     llm = llama_cpp.Llama(**kwargs)
     result["version"] = llama_cpp.__version__
     T = float(req["temperature"])

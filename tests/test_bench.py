@@ -429,3 +429,25 @@ def test_external_peers_run_after_the_peer_they_are_judged_against(tiny_chat, tm
     assert names[:3] == ["plain", "ngram:chain@5", "hf"]  # ours, then in-process peers, interleaved
     assert names[3:] == ["llamacpp", "vllm", "llamacpp-lookup"]
     assert unavailable == [{"name": "vllm-eagle3", "reason": "no head here"}]
+
+
+@pytest.mark.slow
+def test_llamacpp_lookup_peer_handles_prompts_past_512_tokens(tmp_path):
+    # llama-cpp-python sizes its score buffer from the logits_all argument (512 rows) while a draft
+    # model makes it keep every position's logits: long prompts (Spec-Bench summarization) crashed
+    from specfoundry.bench.external import gguf_path, project_root
+
+    python = project_root() / ".venv-llamacpp" / "bin" / "python"
+    gguf = gguf_path("smollm2-135m")
+    if not python.is_file() or gguf is None:
+        pytest.skip("needs `make llamacpp-peer` (.venv-llamacpp) and the default model's GGUF")
+    req = {"model": str(gguf), "prompts": [[1] + list(range(100, 700))], "max_tokens": 8, "temperature": 0.0,
+           "seeds": [0], "ignore_eos": True, "lookup": 5, "max_ngram": 3}
+    (tmp_path / "req.json").write_text(json.dumps(req))
+    import subprocess
+
+    subprocess.run([str(python), str(project_root() / "bench" / "llamacpp_peer.py"), str(tmp_path / "req.json"),
+                    str(tmp_path / "res.json")], check=True, timeout=600)
+    res = json.loads((tmp_path / "res.json").read_text())
+    assert "error" not in res, res.get("error")
+    assert [len(r["token_ids"]) for r in res["results"]] == [8]
