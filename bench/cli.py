@@ -180,7 +180,9 @@ def render_existing(out: Path) -> int:
     path = Path(out) / "report.json"
     if not path.is_file():
         raise SystemExit(f"specfoundry bench --render: no report.json in {out}")
-    return _finish(json.loads(path.read_text()), Path(out), "re-rendered")
+    rc = _finish(json.loads(path.read_text()), Path(out))
+    print(f"[bench] re-rendered {Path(out) / 'report.md'}", file=sys.stderr)
+    return rc
 
 
 def merge_existing(dirs: list[Path], out: str | None) -> int:
@@ -191,11 +193,14 @@ def merge_existing(dirs: list[Path], out: str | None) -> int:
         raise ValueError("--merge needs --out DIR for the merged report")
     report = merge_reports(dirs)
     Path(out).mkdir(parents=True, exist_ok=True)
-    return _finish(report, Path(out), f"merged {len(dirs)} runs into")
+    rc = _finish(report, Path(out))
+    print(f"[bench] merged {len(dirs)} runs into {Path(out) / 'report.md'}", file=sys.stderr)
+    return rc
 
 
-def _finish(report: dict, out: Path, verb: str) -> int:
-    """Summary, failures, plots, validation, report.json and report.md for ``report``'s records."""
+def _finish(report: dict, out: Path, validate: bool = True) -> int:
+    """Summary, failures, plots, (validation,) report.json and report.md for ``report``'s records;
+    0 when passed, 1 otherwise. A fresh run is written unvalidated: its measurements are never lost."""
     from .report import failures_of, summarize, to_markdown, validate_report, write_json
 
     report["summary"] = summarize(report["records"], report["methods"])
@@ -207,39 +212,29 @@ def _finish(report: dict, out: Path, verb: str) -> int:
         from .plots import write_plots
 
         report["files"]["plots"] = [str(p) for p in write_plots(report["summary"], report["methods"], out)]
-    except ImportError:
-        pass
-    problems = validate_report(report)
-    if problems:
-        raise SystemExit(f"specfoundry bench: {out / 'report.json'} would not be a valid report: {problems[0]}")
+    except ImportError as exc:  # matplotlib is optional for the runtime install
+        if not any(u["name"] == "plots" for u in report["unavailable"]):
+            report["unavailable"].append({"name": "plots", "reason": f"matplotlib not importable ({exc})"})
+    if validate:
+        problems = validate_report(report)
+        if problems:
+            raise SystemExit(f"specfoundry bench: {out / 'report.json'} would not be a valid report: {problems[0]}")
     write_json(report, out / "report.json")
     (out / "report.md").write_text(to_markdown(report))
-    print(f"[bench] {verb} {out / 'report.md'}", file=sys.stderr)
     return 0 if report["passed"] else 1
 
 
 def write_report(out: Path, raw: dict, methods: list[dict], unavailable: list[dict], settings: dict,
                  env: dict | None = None) -> int:
     """Write report.json, the plots and report.md into ``out``; 0 when passed, 1 otherwise."""
-    from .report import SCHEMA_ID, failures_of, summarize, to_markdown, write_json
+    from .report import SCHEMA_ID
 
-    records = raw["records"]
-    summary = summarize(records, methods)
-    failures = failures_of(records)
     report = {"schema": SCHEMA_ID, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "passed": not failures, "environment": env or environment(), "settings": settings, "methods": methods,
-              "unavailable": unavailable, "errors": raw["errors"], "seconds": raw["seconds"], "records": records,
-              "summary": summary, "failures": failures,
-              "files": {"json": str(out / "report.json"), "markdown": str(out / "report.md"), "plots": []}}
-    try:
-        from .plots import write_plots
-
-        report["files"]["plots"] = [str(p) for p in write_plots(summary, methods, out)]
-    except ImportError as exc:  # matplotlib is optional for the runtime install
-        report["unavailable"].append({"name": "plots", "reason": f"matplotlib not importable ({exc})"})
-    write_json(report, out / "report.json")
-    (out / "report.md").write_text(to_markdown(report))
+              "passed": True, "environment": env or environment(), "settings": settings, "methods": methods,
+              "unavailable": unavailable, "errors": raw["errors"], "seconds": raw["seconds"], "records": raw["records"],
+              "summary": {}, "failures": [], "files": {}}
+    rc = _finish(report, out, validate=False)
     print(f"[bench] wrote {out / 'report.md'} and report.json ({raw['seconds'] / 60:.1f} min)", file=sys.stderr)
-    if failures:
-        print(f"[bench] FAIL: {len(failures)} lossless violation(s); see {out / 'report.md'}", file=sys.stderr)
-    return 0 if not failures else 1
+    if report["failures"]:
+        print(f"[bench] FAIL: {len(report['failures'])} lossless violation(s); see {out / 'report.md'}", file=sys.stderr)
+    return rc
