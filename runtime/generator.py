@@ -63,6 +63,38 @@ class StreamChunk:
     stats: GenerationStats  # running stats (final once the stream ends)
 
 
+class IncrementalDetokenizer:
+    """Text deltas of a growing token list without re-decoding the whole output every step.
+
+    Decodes a short window (from the start of the previous delta) and emits what it adds,
+    holding text back while it ends in an incomplete UTF-8 sequence (U+FFFD), as streaming
+    servers do; :meth:`flush` emits whatever is held at the end.
+    """
+
+    def __init__(self, decode):
+        self.decode = decode
+        self.ids: list[int] = []
+        self.prefix = 0  # window start
+        self.read = 0  # tokens already turned into emitted text
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        before = self.decode(self.ids[self.prefix:self.read]) if self.read > self.prefix else ""
+        text = self.decode(self.ids[self.prefix:])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
+
+    def flush(self) -> str:
+        if self.read == len(self.ids):
+            return ""
+        before = self.decode(self.ids[self.prefix:self.read]) if self.read > self.prefix else ""
+        text = self.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(before):]
+
+
 class SpeculativeGenerator:
     """Lossless speculative decoding of one sequence with ``target`` and ``drafter``.
 
@@ -137,7 +169,8 @@ class SpeculativeGenerator:
 
         t_start = time.perf_counter()
         ids = torch.tensor([prompt], dtype=torch.long, device=dev)
-        cache = target.new_cache()
+        # room for the prompt, the output and one step's draft nodes: a static cache never regrows
+        cache = target.new_cache(capacity=len(prompt) + max_new_tokens + max(self.max_nodes, 1) + 1)
         if ids.shape[1] > 1:
             prefill = target.forward(ids[:, :-1], cache, feature_layers=feature_layers,
                                      logits_for=torch.zeros(0, dtype=torch.long))
@@ -148,7 +181,8 @@ class SpeculativeGenerator:
         if drafter is not None:
             drafter.begin(ids, features if feature_layers else None)
         stats.prefill_seconds = time.perf_counter() - t_start
-        emitted, text_so_far = [], ""
+        emitted = []
+        detok = IncrementalDetokenizer(target.decode) if target.tokenizer is not None else None
         while len(emitted) < max_new_tokens:
             root = ids[:, -1]
             t0 = time.perf_counter()
@@ -198,8 +232,10 @@ class SpeculativeGenerator:
             stats.seconds = time.perf_counter() - t_start
             stats.tau = stats.new_tokens / stats.target_forwards
             stats.acceptance_by_position = control.observed_acceptance()
-            text = target.decode(emitted) if target.tokenizer is not None else ""
-            delta, text_so_far = text[len(text_so_far):], text
+            delta = detok.push(step_tokens) if detok is not None else ""
+            last = done or len(emitted) >= max_new_tokens
+            if last and detok is not None:
+                delta += detok.flush()
             yield StreamChunk(step_tokens, delta, stats)
             if done:
                 break

@@ -93,22 +93,50 @@ def resolve_target_path(name_or_path: str) -> tuple[Path, str]:
     )
 
 
+BACKENDS = ("auto", "engine", "hf")
+
+
+def wrap_target(model, tokenizer=None, name: str | None = None, backend: str = "auto") -> TargetModel:
+    """A HF causal LM behind the target interface: the static-cache engine
+    (:class:`~specfoundry.runtime.engine.EngineTarget`) for Llama-family models, else the HF path.
+
+    ``backend``: ``"auto"`` (the engine where it applies; otherwise the HF path, saying why),
+    ``"engine"`` (an error where it does not apply) or ``"hf"``.
+    """
+    from .engine import EngineTarget, engine_support
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "hf":
+        return TargetModel(model, tokenizer, name=name)
+    reason = engine_support(model)
+    if reason is None:
+        return EngineTarget(model, tokenizer, name=name)
+    if backend == "engine":
+        raise ValueError(f"backend='engine' cannot run {name or 'this model'}: {reason}")
+    print(f"[specfoundry] {name or 'target'}: HF decoding path ({reason})", file=sys.stderr)
+    return TargetModel(model, tokenizer, name=name)
+
+
 def load_target(name_or_path: str = DEFAULT_TARGET, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa") -> TargetModel:
-    """Load a target: a built-in name (``smollm2-135m``) or a local HF causal-LM directory."""
+                dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
+                backend: str = "auto") -> TargetModel:
+    """Load a target: a built-in name (``smollm2-135m``) or a local HF causal-LM directory.
+
+    ``backend`` picks the decoding path (:func:`wrap_target`); the HF model is ``target.model``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     adapter = Path(name_or_path).expanduser()
     if (adapter / "adapter_config.json").exists() and (adapter / "specfoundry_base.json").exists():
-        return _load_adapter_target(adapter, device, dtype, attn_implementation)
+        return _load_adapter_target(adapter, device, dtype, attn_implementation, backend)
     path, display = resolve_target_path(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
-    return TargetModel(model, tokenizer, name=display)
+    return wrap_target(model, tokenizer, name=display, backend=backend)
 
 
-def _load_adapter_target(adapter: Path, device, dtype, attn_implementation) -> TargetModel:
+def _load_adapter_target(adapter: Path, device, dtype, attn_implementation, backend) -> TargetModel:
     """A peft LoRA adapter written by a Medusa-2 run (``merge: false``): its base target with the
     adapter merged in, i.e. the model the run's heads were trained for."""
     import json
@@ -116,6 +144,6 @@ def _load_adapter_target(adapter: Path, device, dtype, attn_implementation) -> T
     from peft import PeftModel
 
     base = json.loads((adapter / "specfoundry_base.json").read_text())["base"]
-    t = load_target(base, device=device, dtype=torch.float32, attn_implementation=attn_implementation)
+    t = load_target(base, device=device, dtype=torch.float32, attn_implementation=attn_implementation, backend="hf")
     merged = PeftModel.from_pretrained(t.model, str(adapter)).merge_and_unload().to(device, dtype)
-    return TargetModel(merged, t.tokenizer, name=f"{base}+{adapter.name}")
+    return wrap_target(merged, t.tokenizer, name=f"{base}+{adapter.name}", backend=backend)

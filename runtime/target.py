@@ -120,6 +120,8 @@ class ChatTokenizerMixin:
 class TargetModel(ChatTokenizerMixin):
     """Wraps a HF causal LM (``model``) and its tokenizer (may be None for tiny test models)."""
 
+    backend = "hf"
+
     def __init__(self, model, tokenizer=None, name: str | None = None):
         self.model = model.eval()
         for p in self.model.parameters():
@@ -207,7 +209,8 @@ class TargetModel(ChatTokenizerMixin):
         }
 
     # -- the forward ---------------------------------------------------------------------
-    def new_cache(self) -> KVCache:
+    def new_cache(self, batch: int = 1, capacity: int | None = None) -> KVCache:
+        """A cache for ``batch`` sequences; ``capacity`` (tokens) is a hint static caches use."""
         return KVCache()
 
     @torch.inference_mode()

@@ -1,11 +1,26 @@
 """Target adapter: tree attention equals linear re-runs; KV commit/rollback keeps exactly the
-accepted path (non-contiguous tree nodes included)."""
+accepted path (non-contiguous tree nodes included). Both decoding paths: the static-cache
+engine and the HF ``DynamicCache`` path."""
 
 import pytest
 import torch
 
 from tiny_models import tiny_llama
 from specfoundry.runtime.tree import ancestor_matrix, path_to, tree_depths, tree_from_choices
+
+
+@pytest.fixture(scope="module", params=["engine", "hf"])
+def tiny_target(request):
+    return tiny_llama(0, backend=request.param)
+
+
+def _cache_len(cache) -> int:
+    """Entries physically held: the HF cache's tensor length; the static cache's committed length."""
+    if hasattr(cache, "hf"):
+        lens = {l.keys.shape[-2] for l in cache.hf.layers}
+        assert len(lens) == 1
+        return lens.pop()
+    return cache.length
 
 
 def _full_logits(t, ids):
@@ -61,8 +76,7 @@ def test_commit_keeps_non_contiguous_path_then_decoding_matches(tiny_target):
     cache.commit()
     seq = prefix[0].tolist() + tokens[0, keep].tolist() + [5, 6]
     torch.testing.assert_close(out.logits[0], _full_logits(t, seq)[-2:], rtol=0, atol=1e-10)
-    for layer in cache.hf.layers:
-        assert layer.keys.shape[-2] == cache.length
+    assert _cache_len(cache) == cache.length
 
 
 def test_rollback_and_crop(tiny_target):
@@ -75,7 +89,7 @@ def test_rollback_and_crop(tiny_target):
     cache.rollback()
     assert cache.length == 6
     cache.crop(4)
-    assert cache.length == 4 and all(l.keys.shape[-2] == 4 for l in cache.hf.layers)
+    assert cache.length == 4 and _cache_len(cache) == 4
     out = t.forward(ids[:, 4:], cache)
     cache.commit()
     torch.testing.assert_close(out.logits[0], _full_logits(t, ids[0].tolist())[4:], rtol=0, atol=1e-10)

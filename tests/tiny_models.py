@@ -1,23 +1,26 @@
-"""Tiny random Llama models for exact (float64) tests."""
+"""Tiny random Llama models for exact (float64) tests.
+
+They run on the engine (:mod:`specfoundry.runtime.engine`) by default, as ``load_target`` does
+for Llama-family models; ``backend="hf"`` gives the HF path, which tests also cover."""
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specfoundry.runtime.target import TargetModel
+from specfoundry.runtime.models import wrap_target
 
 
 def tiny_llama(seed: int = 0, vocab: int = 64, hidden: int = 32, layers: int = 4, dtype=torch.float64,
-               init_std: float = 0.5) -> TargetModel:
+               init_std: float = 0.5, backend: str = "engine"):
     """A tiny random Llama. A large init std makes its distributions peaked, like a real LM's."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       initializer_range=init_std, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     model = LlamaForCausalLM(cfg).to(dtype)
-    return TargetModel(model, name=f"tiny-{seed}")
+    return wrap_target(model, name=f"tiny-{seed}", backend=backend)
 
 
-def perturbed_copy(t: TargetModel, scale: float, seed: int = 123) -> TargetModel:
+def perturbed_copy(t, scale: float, seed: int = 123):
     """A draft model that mostly agrees with ``t`` (partial acceptance)."""
     g = torch.Generator().manual_seed(seed)
     m = LlamaForCausalLM(t.model.config).to(t.dtype)
@@ -25,4 +28,4 @@ def perturbed_copy(t: TargetModel, scale: float, seed: int = 123) -> TargetModel
     with torch.no_grad():
         for p in m.parameters():
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale * p.std().clamp(min=1e-3))
-    return TargetModel(m, name=f"{t.name}-perturbed")
+    return wrap_target(m, name=f"{t.name}-perturbed", backend=getattr(t, "backend", "hf"))

@@ -140,7 +140,7 @@ class OrtTarget(ChatTokenizerMixin):
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def new_cache(self) -> KVCache:
+    def new_cache(self, batch: int = 1, capacity: int | None = None) -> KVCache:
         return KVCache()
 
     # -- the forward ---------------------------------------------------------------------

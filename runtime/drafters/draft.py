@@ -109,4 +109,7 @@ def layer_subset_model(target: TargetModel, layers: list[int]) -> TargetModel:
             state[key] = value
     model.load_state_dict(state, strict=False)
     model.tie_weights()
-    return TargetModel(model.to(target.device), target.tokenizer, name=f"{target.name}-layers{len(layers)}")
+    from ..models import wrap_target
+
+    backend = "hf" if type(target) is TargetModel else "auto"  # the draft runs on the target's path
+    return wrap_target(model.to(target.device), target.tokenizer, name=f"{target.name}-layers{len(layers)}", backend=backend)

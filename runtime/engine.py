@@ -1,0 +1,372 @@
+"""A low-overhead forward for Llama-family targets with a static, in-place KV cache.
+
+Scope: the decode-time forward of Llama, Mistral (no sliding window), Qwen2 and Qwen3 shapes
+(SmolLM2 is a Llama) and the cache it writes; nothing else. :class:`EngineTarget` puts it
+behind :class:`~specfoundry.runtime.target.TargetModel`'s interface, so the generator, every
+drafter and the bench use it unchanged. Other architectures keep the HF path
+(:func:`engine_support` says why, and :func:`~specfoundry.runtime.models.load_target` logs it).
+
+What makes it cheaper than the HF path on a CPU, where per-op overhead and copies dominate a
+135M model's ~25 ms weight-streaming floor:
+
+- weights are taken from the HF model once: Q/K/V fused into one matrix and gate/up into one,
+  the HF modules' parameters re-pointed at row slices of the fused tensors (no second copy);
+- one preallocated cache ``[L, 2, B, Hkv, capacity, D]`` written in place at the new positions;
+  after verification the accepted tree nodes are moved into place by one indexed copy of only
+  those entries (O(accepted), never O(context)); a rejected suffix is simply overwritten later;
+- RoPE tables for the whole capacity and the attention mask buffer are preallocated; a plain
+  n=1 step uses no mask at all;
+- grouped-query attention without repeating K/V: the ``g`` query heads that share a KV head are
+  stacked as ``g * n`` query rows against that head (for n=1 a small GEMM instead of g GEMVs);
+- the forward returns only the feature layers a speculator asked for (HF numbering: ``i`` = input
+  of layer ``i``, ``L`` = the final normed state) and LM-head rows only where asked.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .target import TargetModel, TargetOutput
+
+__all__ = ["EngineTarget", "LlamaEngine", "StaticKVCache", "engine_support"]
+
+_MATRICES = ("wqkv", "wo", "w_gu", "w_down")
+_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+def engine_support(model) -> str | None:
+    """None when the engine can run ``model`` (a HF causal LM), else the reason it cannot."""
+    c = model.config
+    arch = getattr(c, "model_type", None)
+    if arch not in _ARCHS:
+        return f"model_type {arch!r} is not one of {', '.join(_ARCHS)}"
+    if getattr(c, "hidden_act", "silu") != "silu":
+        return f"hidden_act {c.hidden_act!r} (the engine implements silu)"
+    if getattr(c, "mlp_bias", False):
+        return "mlp_bias=True"
+    if getattr(c, "sliding_window", None) and (arch == "mistral" or getattr(c, "use_sliding_window", False)):
+        return f"sliding-window attention ({c.sliding_window})"
+    rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in _STATIC_ROPE:
+        return f"rope_type {rope_type!r} depends on the sequence length"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "not a *ForCausalLM with .model.layers and .model.rotary_emb"
+    attn = inner.layers[0].self_attn
+    if getattr(attn.o_proj, "bias", None) is not None:
+        return "o_proj has a bias"
+    return None
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+def _gemv(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ wt`` for a transposed weight ``wt`` ``[in, out]`` (plus bias)."""
+    y = x @ wt
+    return y if b is None else y + b
+
+
+class StaticKVCache:
+    """Preallocated KV for ``batch`` sequences of equal committed length.
+
+    Same contract as :class:`~specfoundry.runtime.target.KVCache`: a forward appends ``n``
+    pending entries at ``length .. length+n``; :meth:`commit` keeps some of them (in place).
+    """
+
+    def __init__(self, engine: "LlamaEngine", batch: int, capacity: int):
+        self.engine = engine
+        self.batch = batch
+        self.kv = engine.empty_kv(batch, capacity)
+        self.length = 0
+        self._pending = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[-2]
+
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` more entries past the committed length (doubling, rarely)."""
+        need = self.length + n
+        if need <= self.capacity:
+            return
+        cap = max(need, 2 * self.capacity)
+        kv = self.engine.empty_kv(self.batch, cap)
+        kv[..., : self.length, :].copy_(self.kv[..., : self.length, :])
+        self.kv = kv
+
+    def check_ready(self) -> None:
+        if self._pending:
+            raise RuntimeError("commit or roll back the previous forward before the next one")
+
+    def mark_appended(self, n: int) -> None:
+        self._pending = n
+
+    @torch.inference_mode()
+    def commit(self, keep: torch.Tensor | None = None) -> None:
+        """Keep the pending entries at ``keep`` (``[m]`` sorted indices into the last forward's new
+        tokens; None keeps all). Only the kept entries that are not already in place move."""
+        n, past = self._pending, self.length
+        self._pending = 0
+        if keep is None:
+            self.length = past + n
+            return
+        m = int(keep.numel())
+        if m:
+            keep = keep.to(device=self.kv.device, dtype=torch.long)
+            ar = torch.arange(m, device=keep.device)
+            moved = keep != ar  # sorted and unique: entries before the first gap are in place
+            if bool(moved.any()):
+                first = int(moved.to(torch.int8).argmax())
+                # keep[i] >= i, so writing slot past+i never clobbers a later source
+                self.kv[..., past + first: past + m, :] = self.kv[..., past + keep[first:], :]
+        self.length = past + m
+
+    def rollback(self) -> None:
+        self._pending = 0
+
+    def crop(self, length: int) -> None:
+        self._pending = 0
+        self.length = min(self.length, length)
+
+
+class LlamaEngine:
+    """The fused weights and the forward of one Llama-family model (see the module docstring)."""
+
+    def __init__(self, model, gemv_layout: bool | str = "auto"):
+        reason = engine_support(model)
+        if reason is not None:
+            raise ValueError(f"the engine cannot run this model: {reason}")
+        c = model.config
+        inner = model.model
+        self.config = c
+        self.num_layers = c.num_hidden_layers
+        self.hq = c.num_attention_heads
+        self.hkv = getattr(c, "num_key_value_heads", None) or self.hq
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.hq
+        self.groups = self.hq // self.hkv
+        self.eps = float(c.rms_norm_eps)
+        self.scale = self.head_dim ** -0.5
+        self.embed = inner.embed_tokens.weight
+        self.source = (self.embed.data_ptr(), self.embed.dtype, self.embed.device)  # what it was built from
+        self.final_norm = inner.norm.weight
+        self.lm_head = model.get_output_embeddings().weight
+        self.rotary = inner.rotary_emb
+        self.layers = [self._fuse(layer) for layer in inner.layers]
+        self.gemv_layout = self._choose_gemv_layout() if gemv_layout == "auto" else bool(gemv_layout)
+        if self.gemv_layout:
+            # single-row steps read each weight once as [in, out] rows: measured faster on CPU
+            for w in self.layers:
+                for key in _MATRICES:
+                    w[key + "_t"] = w[key].t().contiguous()
+            self.lm_head_t = self.lm_head.t().contiguous()
+        self._rope_len = 0
+        self._mask = torch.ones(0, 0, dtype=torch.bool, device=self.embed.device)
+
+    @staticmethod
+    def _fused(linears, attr: str) -> torch.Tensor | None:
+        """Concatenate the linears' ``attr`` (weight or bias) row-wise and point each module at its
+        slice of the result, so the fused tensor is the only copy in memory."""
+        parts = [getattr(lin, attr) for lin in linears]
+        if any(p is None for p in parts):
+            return None
+        with torch.no_grad():
+            fused = torch.cat([p.detach() for p in parts]).contiguous()
+        row = 0
+        for lin, p in zip(linears, parts):
+            setattr(lin, attr, torch.nn.Parameter(fused[row: row + p.shape[0]], requires_grad=False))
+            row += p.shape[0]
+        return fused
+
+    def _fuse(self, layer) -> dict:
+        a, mlp = layer.self_attn, layer.mlp
+        qkv = (a.q_proj, a.k_proj, a.v_proj)
+        q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        return {
+            "ln1": layer.input_layernorm.weight, "wqkv": self._fused(qkv, "weight"), "bqkv": self._fused(qkv, "bias"),
+            "wo": a.o_proj.weight, "ln2": layer.post_attention_layernorm.weight,
+            "w_gu": self._fused((mlp.gate_proj, mlp.up_proj), "weight"), "w_down": mlp.down_proj.weight,
+            "q_norm": None if q_norm is None else q_norm.weight, "k_norm": None if k_norm is None else k_norm.weight,
+        }
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @torch.inference_mode()
+    def _choose_gemv_layout(self, reps: int = 3) -> bool:
+        """Whether single-row products run faster against transposed ([in, out]) weights.
+
+        On the CPUs measured here (AMD EPYC, MKL) ``x @ W.T`` with ``W.T`` contiguous streams the
+        weights ~1.5x faster than ``F.linear(x, W)`` for one row, while several rows are faster
+        in the HF layout; so the engine keeps both on CPU when one row is faster transposed.
+        Decided once from the LM head (the largest matrix) and one layer, best of ``reps``.
+        """
+        if self.device.type != "cpu":
+            return False
+        import time
+
+        mats = [self.lm_head] + [self.layers[0][k] for k in _MATRICES]
+        trans = [m.t().contiguous() for m in mats]
+        xs = [torch.randn(1, m.shape[1], dtype=self.dtype, device=self.device) for m in mats]
+
+        def best(fn):
+            fn()
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        plain = best(lambda: [F.linear(x, m) for x, m in zip(xs, mats)])
+        transposed = best(lambda: [x @ t for x, t in zip(xs, trans)])
+        return transposed < 0.9 * plain
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @torch.inference_mode()
+    def empty_kv(self, batch: int, capacity: int) -> torch.Tensor:
+        return torch.zeros(self.num_layers, 2, batch, self.hkv, capacity, self.head_dim, dtype=self.dtype,
+                           device=self.device)
+
+    def new_cache(self, batch: int = 1, capacity: int = 1024) -> StaticKVCache:
+        return StaticKVCache(self, batch, capacity)
+
+    # -- preallocated tables -------------------------------------------------------------
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[B, n, 1, D]`` at ``positions``, from tables built by the model's own rotary
+        module (so every static RoPE variant and its scaling match HF exactly)."""
+        need = int(positions.max()) + 1
+        if need > self._rope_len:
+            size = max(need, 2 * self._rope_len, 1024)
+            pos = torch.arange(size, device=self.device).view(1, -1)
+            cos, sin = self.rotary(self.embed[:1].view(1, 1, -1), pos)
+            self._cos, self._sin, self._rope_len = cos[0], sin[0], size
+        return self._cos[positions].unsqueeze(2), self._sin[positions].unsqueeze(2)
+
+    def _attn_mask(self, tree: torch.Tensor | None, B: int, n: int, past: int) -> torch.Tensor | None:
+        """Bool ``[B, 1, g*n, past+n]`` (True = may attend), or None for a plain n=1 step."""
+        if tree is None and n == 1:
+            return None
+        if tree is None:
+            tree = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        rows, cols = self.groups * n, past + n
+        if self._mask.shape[0] < B * rows or self._mask.shape[1] < cols:
+            self._mask = torch.ones(max(B * rows, self._mask.shape[0]), max(cols, 2 * self._mask.shape[1], 1024),
+                                    dtype=torch.bool, device=self.device)
+        # the buffer is all True; the new block is written here and reset after the forward
+        m = self._mask[: B * rows, :cols].view(B, 1, rows, cols)
+        m[:, 0, :, past:].copy_(tree.to(self.device).expand(B, n, n).repeat(1, self.groups, 1))
+        return m
+
+    def _release_mask(self, mask: torch.Tensor | None, past: int) -> None:
+        if mask is not None:
+            mask[:, 0, :, past:] = True
+
+    # -- the forward ---------------------------------------------------------------------
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # HF's RMSNorm: statistics in float32, scale applied after casting back
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: StaticKVCache, position_ids: torch.Tensor,
+                tree_mask: torch.Tensor | None = None, feature_layers: tuple[int, ...] = (),
+                logits_for: torch.Tensor | None = None) -> TargetOutput:
+        """Same contract as :meth:`TargetModel.forward` (``position_ids`` required)."""
+        cache.check_ready()
+        B, n = input_ids.shape
+        if B != cache.batch:
+            raise ValueError(f"input batch {B} != cache batch {cache.batch}")
+        cache.reserve(n)
+        past = cache.length
+        hq, hkv, D, g = self.hq, self.hkv, self.head_dim, self.groups
+        cos, sin = self._rope(position_ids.to(self.device))
+        mask = self._attn_mask(tree_mask, B, n, past)
+        kv = cache.kv
+        gemv = self.gemv_layout and B * n == 1
+        lin = _gemv if gemv else _linear
+        sfx = "_t" if gemv else ""
+        feats, want = [], set(feature_layers)
+        x = F.embedding(input_ids.to(self.device), self.embed)
+        for i, w in enumerate(self.layers):
+            if i in want:
+                feats.append((i, x))
+            h = self._norm(x, w["ln1"])
+            qkv = lin(h, w["wqkv" + sfx], w["bqkv"]).view(B, n, hq + 2 * hkv, D)
+            q, k, v = qkv.split((hq, hkv, hkv), dim=2)
+            if w["q_norm"] is not None:  # Qwen3: per-head norms before RoPE
+                q, k = self._norm(q, w["q_norm"]), self._norm(k, w["k_norm"])
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            kv[i, 0, :, :, past: past + n].copy_(k.transpose(1, 2))
+            kv[i, 1, :, :, past: past + n].copy_(v.transpose(1, 2))
+            keys, values = kv[i, 0, :, :, : past + n], kv[i, 1, :, :, : past + n]
+            # [B, n, hkv*g, D] -> [B, hkv, g*n, D]: the g query heads of a KV head share its K/V
+            qg = q.reshape(B, n, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, hkv, g * n, D)
+            o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
+            o = o.view(B, hkv, g, n, D).permute(0, 3, 1, 2, 4).reshape(B, n, hq * D)
+            x = x + lin(o, w["wo" + sfx])
+            h = self._norm(x, w["ln2"])
+            gate, up = lin(h, w["w_gu" + sfx]).chunk(2, dim=-1)
+            x = x + lin(F.silu(gate) * up, w["w_down" + sfx])
+        self._release_mask(mask, past)
+        cache.mark_appended(n)
+        x = self._norm(x, self.final_norm)
+        if self.num_layers in want:
+            feats.append((self.num_layers, x))
+        features = None
+        if feature_layers:
+            by_layer = dict(feats)
+            features = torch.stack([by_layer[i] for i in feature_layers], dim=2)
+        if logits_for is not None:
+            x = x[:, logits_for.to(self.device)]
+        if x.shape[0] * x.shape[1] == 1 and self.gemv_layout:
+            logits = _gemv(x, self.lm_head_t)
+        else:
+            logits = F.linear(x, self.lm_head)
+        return TargetOutput(logits=logits, features=features)
+
+
+class EngineTarget(TargetModel):
+    """A :class:`TargetModel` whose forward and cache are the engine's (the HF model stays
+    available as ``.model`` for training and for anything the engine does not cover)."""
+
+    backend = "engine"
+
+    def __init__(self, model, tokenizer=None, name: str | None = None):
+        super().__init__(model, tokenizer, name)
+        self.engine = LlamaEngine(self.model)
+
+    def new_cache(self, batch: int = 1, capacity: int | None = None) -> StaticKVCache:
+        return self._engine().new_cache(batch, capacity or 1024)
+
+    def _engine(self) -> LlamaEngine:
+        # a .to(device/dtype) of the HF model after wrapping replaces its tensors: never use stale ones
+        w = self.model.get_input_embeddings().weight
+        if (w.data_ptr(), w.dtype, w.device) != self.engine.source:
+            self.engine = LlamaEngine(self.model)
+        return self.engine
+
+    def forward(self, input_ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
+                tree_mask: torch.Tensor | None = None, feature_layers: tuple[int, ...] = (),
+                logits_for: torch.Tensor | None = None) -> TargetOutput:
+        if not isinstance(cache, StaticKVCache):
+            return super().forward(input_ids, cache, position_ids, tree_mask, feature_layers, logits_for)
+        B, n = input_ids.shape
+        if position_ids is None:
+            position_ids = (cache.length + torch.arange(n, device=self.device)).expand(B, n)
+        return self._engine().forward(input_ids, cache, position_ids, tree_mask, feature_layers, logits_for)
