@@ -71,19 +71,83 @@ def _gemv(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None = None) -> t
     return y if b is None else y + b
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (HF's rotate-half convention) of ``x`` ``[B, n, heads, D]`` with ``cos``/``sin`` ``[B, n, 1, D]``."""
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+
+
+def attend(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
+           mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Write ``k``/``v`` ``[B, n, hkv, D]`` into ``layer_kv`` ``[2, B, hkv, capacity, D]`` at
+    ``past .. past+n`` and attend ``q`` ``[B, n, hq, D]`` over ``0 .. past+n`` -> ``[B, n, hq*D]``.
+
+    Grouped-query attention without repeating K/V: the ``g`` query heads of one KV head are
+    stacked as ``g * n`` query rows against it (``mask`` from :class:`MaskBuffer` has that layout).
+    """
+    B, n, hq, D = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    layer_kv[0, :, :, past: past + n].copy_(k.transpose(1, 2))
+    layer_kv[1, :, :, past: past + n].copy_(v.transpose(1, 2))
+    keys, values = layer_kv[0, :, :, : past + n], layer_kv[1, :, :, : past + n]
+    qg = q.reshape(B, n, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, hkv, g * n, D)
+    o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    return o.view(B, hkv, g, n, D).permute(0, 3, 1, 2, 4).reshape(B, n, hq * D)
+
+
+class MaskBuffer:
+    """A preallocated all-True bool buffer out of which attention masks are cut: a forward writes
+    only its block over the newest columns and :meth:`release` resets it."""
+
+    def __init__(self, groups: int, device):
+        self.groups = groups
+        self.buf = torch.ones(0, 0, dtype=torch.bool, device=device)
+
+    def get(self, block: torch.Tensor | None, B: int, n: int, past: int) -> torch.Tensor | None:
+        """Bool ``[B, 1, g*n, past+n]`` (True = may attend): everything before the last ``k``
+        columns, and ``block`` ``[B, n, k]`` (``k <= past + n``) over them; ``block`` None means
+        causal among the ``n`` new tokens, which for a plain n=1 step needs no mask at all."""
+        if block is None and n == 1:
+            return None
+        if block is None:
+            block = torch.ones(n, n, dtype=torch.bool, device=self.buf.device).tril()
+        k = block.shape[-1]
+        rows, cols = self.groups * n, past + n
+        if self.buf.shape[0] < B * rows or self.buf.shape[1] < cols:
+            with torch.inference_mode():
+                self.buf = torch.ones(max(B * rows, self.buf.shape[0]), max(cols, 2 * self.buf.shape[1], 1024),
+                                      dtype=torch.bool, device=self.buf.device)
+        m = self.buf[: B * rows, :cols].view(B, 1, rows, cols)
+        m[:, 0, :, cols - k:].copy_(block.to(m.device).expand(B, n, k).repeat(1, self.groups, 1))
+        return m
+
+    def release(self, mask: torch.Tensor | None, k: int) -> None:
+        """Reset the last ``k`` columns :meth:`get` wrote (the block width)."""
+        if mask is not None:
+            mask[..., mask.shape[-1] - k:] = True
+
+
 class StaticKVCache:
-    """Preallocated KV for ``batch`` sequences of equal committed length.
+    """Preallocated KV ``[layers, 2, batch, kv_heads, capacity, head_dim]`` for ``batch``
+    sequences of equal committed length.
 
     Same contract as :class:`~specfoundry.runtime.target.KVCache`: a forward appends ``n``
     pending entries at ``length .. length+n``; :meth:`commit` keeps some of them (in place).
+    Used by the target engine and by the EAGLE heads' drafting steps.
     """
 
-    def __init__(self, engine: "LlamaEngine", batch: int, capacity: int):
-        self.engine = engine
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, *, batch: int = 1, capacity: int = 1024,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.shape = (layers, 2, batch, kv_heads, capacity, head_dim)
         self.batch = batch
-        self.kv = engine.empty_kv(batch, capacity)
+        self.kv = self._empty(capacity, dtype, device)
         self.length = 0
         self._pending = 0
+
+    @torch.inference_mode()
+    def _empty(self, capacity: int, dtype, device) -> torch.Tensor:
+        return torch.zeros(*self.shape[:4], capacity, self.shape[5], dtype=dtype, device=device)
 
     @property
     def capacity(self) -> int:
@@ -94,9 +158,9 @@ class StaticKVCache:
         need = self.length + n
         if need <= self.capacity:
             return
-        cap = max(need, 2 * self.capacity)
-        kv = self.engine.empty_kv(self.batch, cap)
-        kv[..., : self.length, :].copy_(self.kv[..., : self.length, :])
+        kv = self._empty(max(need, 2 * self.capacity), self.kv.dtype, self.kv.device)
+        with torch.inference_mode():
+            kv[..., : self.length, :].copy_(self.kv[..., : self.length, :])
         self.kv = kv
 
     def check_ready(self) -> None:
@@ -165,7 +229,7 @@ class LlamaEngine:
                     w[key + "_t"] = w[key].t().contiguous()
             self.lm_head_t = self.lm_head.t().contiguous()
         self._rope_len = 0
-        self._mask = torch.ones(0, 0, dtype=torch.bool, device=self.embed.device)
+        self.masks = MaskBuffer(self.groups, self.device)
 
     @staticmethod
     def _fused(linears, attr: str) -> torch.Tensor | None:
@@ -231,13 +295,9 @@ class LlamaEngine:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
-    @torch.inference_mode()
-    def empty_kv(self, batch: int, capacity: int) -> torch.Tensor:
-        return torch.zeros(self.num_layers, 2, batch, self.hkv, capacity, self.head_dim, dtype=self.dtype,
-                           device=self.device)
-
     def new_cache(self, batch: int = 1, capacity: int = 1024) -> StaticKVCache:
-        return StaticKVCache(self, batch, capacity)
+        return StaticKVCache(self.num_layers, self.hkv, self.head_dim, batch=batch, capacity=capacity,
+                             dtype=self.dtype, device=self.device)
 
     # -- preallocated tables -------------------------------------------------------------
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,25 +311,6 @@ class LlamaEngine:
             self._cos, self._sin, self._rope_len = cos[0], sin[0], size
         return self._cos[positions].unsqueeze(2), self._sin[positions].unsqueeze(2)
 
-    def _attn_mask(self, tree: torch.Tensor | None, B: int, n: int, past: int) -> torch.Tensor | None:
-        """Bool ``[B, 1, g*n, past+n]`` (True = may attend), or None for a plain n=1 step."""
-        if tree is None and n == 1:
-            return None
-        if tree is None:
-            tree = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        rows, cols = self.groups * n, past + n
-        if self._mask.shape[0] < B * rows or self._mask.shape[1] < cols:
-            self._mask = torch.ones(max(B * rows, self._mask.shape[0]), max(cols, 2 * self._mask.shape[1], 1024),
-                                    dtype=torch.bool, device=self.device)
-        # the buffer is all True; the new block is written here and reset after the forward
-        m = self._mask[: B * rows, :cols].view(B, 1, rows, cols)
-        m[:, 0, :, past:].copy_(tree.to(self.device).expand(B, n, n).repeat(1, self.groups, 1))
-        return m
-
-    def _release_mask(self, mask: torch.Tensor | None, past: int) -> None:
-        if mask is not None:
-            mask[:, 0, :, past:] = True
-
     # -- the forward ---------------------------------------------------------------------
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # HF's RMSNorm: statistics in float32, scale applied after casting back
@@ -277,11 +318,6 @@ class LlamaEngine:
             return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         xf = x.float()
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: StaticKVCache, position_ids: torch.Tensor,
@@ -294,9 +330,9 @@ class LlamaEngine:
             raise ValueError(f"input batch {B} != cache batch {cache.batch}")
         cache.reserve(n)
         past = cache.length
-        hq, hkv, D, g = self.hq, self.hkv, self.head_dim, self.groups
+        hq, hkv, D = self.hq, self.hkv, self.head_dim
         cos, sin = self._rope(position_ids.to(self.device))
-        mask = self._attn_mask(tree_mask, B, n, past)
+        mask = self.masks.get(tree_mask, B, n, past)
         kv = cache.kv
         gemv = self.gemv_layout and B * n == 1
         lin = _gemv if gemv else _linear
@@ -311,19 +347,13 @@ class LlamaEngine:
             q, k, v = qkv.split((hq, hkv, hkv), dim=2)
             if w["q_norm"] is not None:  # Qwen3: per-head norms before RoPE
                 q, k = self._norm(q, w["q_norm"]), self._norm(k, w["k_norm"])
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            kv[i, 0, :, :, past: past + n].copy_(k.transpose(1, 2))
-            kv[i, 1, :, :, past: past + n].copy_(v.transpose(1, 2))
-            keys, values = kv[i, 0, :, :, : past + n], kv[i, 1, :, :, : past + n]
-            # [B, n, hkv*g, D] -> [B, hkv, g*n, D]: the g query heads of a KV head share its K/V
-            qg = q.reshape(B, n, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, hkv, g * n, D)
-            o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
-            o = o.view(B, hkv, g, n, D).permute(0, 3, 1, 2, 4).reshape(B, n, hq * D)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            o = attend(kv[i], q, k, v, past, mask, self.scale)
             x = x + lin(o, w["wo" + sfx])
             h = self._norm(x, w["ln2"])
             gate, up = lin(h, w["w_gu" + sfx]).chunk(2, dim=-1)
             x = x + lin(F.silu(gate) * up, w["w_down" + sfx])
-        self._release_mask(mask, past)
+        self.masks.release(mask, n if tree_mask is None else tree_mask.shape[-1])
         cache.mark_appended(n)
         x = self._norm(x, self.final_norm)
         if self.num_layers in want:

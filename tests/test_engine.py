@@ -212,3 +212,34 @@ def test_static_cache_rejects_a_batch_mismatch_and_grows():
     t.forward(torch.tensor([[1, 2, 3, 4], [4, 3, 2, 1]]), cache)
     cache.commit()
     assert cache.capacity >= 4 and cache.length == 4
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_head_static_step_equals_its_hf_forward(kind):
+    """The EAGLE heads' drafting step on a static cache equals their HF-layer forward (the one
+    training uses) with a DynamicCache: committed pairs, then a tree level with a block mask."""
+    from specfoundry.runtime.speculators import Eagle3Head, EagleHead
+    from specfoundry.runtime.target import KVCache
+
+    target = tiny_llama(0)
+    head = Eagle3Head.from_target(target, draft_vocab_size=32) if kind == "eagle3" else EagleHead.from_target(target)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (1, 9), generator=g)
+    hidden = torch.randn(1, 9, 32, generator=g, dtype=torch.float64)
+    ref_cache, cache = KVCache(), head.new_cache(capacity=4)
+    ref = head(ids, hidden, cache=ref_cache)
+    ref_cache.commit()
+    out = head.step(ids, hidden, cache)
+    cache.commit()
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+    # a tree level: 3 nodes after 2 earlier draft entries, each seeing some of them
+    for c in (ref_cache, cache):
+        pre_ids, pre_h = ids[:, :2], hidden[:, :2]
+        (head(pre_ids, pre_h, cache=c) if c is ref_cache else head.step(pre_ids, pre_h, c))
+        c.commit()
+    rows = torch.tensor([[[1, 0, 1, 0, 0], [0, 1, 0, 1, 0], [1, 1, 0, 0, 1]]], dtype=torch.bool)
+    pos = torch.full((1, 3), 11)
+    full = torch.cat([torch.ones(1, 3, 9, dtype=torch.bool), rows], dim=-1)
+    ref = head(ids[:, :3], hidden[:, :3], position_ids=pos, attention_mask=full, cache=ref_cache)
+    out = head.step(ids[:, :3], hidden[:, :3], cache, position_ids=pos, block=rows)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)

@@ -3,8 +3,9 @@
 Scope: the head's KV bookkeeping and the tree search (EAGLE-2 dynamic trees, or chains) for one
 sequence (batch size 1). The head modules are in ``runtime/speculators/eagle.py``.
 
-KV cache. The head keeps its own :class:`~specfoundry.runtime.target.KVCache` over committed
-pairs ``(feature of token t, token t+1)``. Committed pairs are queued by ``begin``/``commit`` and
+KV cache. The head keeps its own preallocated :class:`~specfoundry.runtime.engine.StaticKVCache`
+over committed pairs ``(feature of token t, token t+1)``, run by the head's in-place
+:meth:`~specfoundry.runtime.speculators.eagle._EagleBase.step`. Committed pairs are queued by ``begin``/``commit`` and
 run at the next ``propose`` (so nothing is computed for a sequence that ends). The tree search
 then appends draft entries (positions by depth, an ancestor mask) and crops the cache back to
 the committed length before returning.
@@ -35,7 +36,6 @@ import torch
 
 from ..sampling import probs_from_logits
 from ..speculators import Eagle3Head, EagleHead, load_speculator, read_config
-from ..target import KVCache
 from ..tree import Draft
 from .base import DraftContext, Drafter, register_drafter
 
@@ -61,7 +61,7 @@ class EagleDrafter(Drafter):
         self.feature_layers = tuple(head.feature_layers)
         self.default_depth = depth
         self.default_nodes = self.total_tokens
-        self.cache: KVCache | None = None
+        self.cache = None  # the head's StaticKVCache, made by begin()
         self._num_tokens = 0  # committed tokens, root included
         self._queue_ids: list[torch.Tensor] = []  # next tokens of pairs not yet run
         self._queue_hidden: list[torch.Tensor] = []  # fused features of those pairs
@@ -71,7 +71,7 @@ class EagleDrafter(Drafter):
     def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
         if prompt_ids.shape[0] != 1:
             raise ValueError(f"the {self.type} drafter serves one sequence (batch size 1)")
-        self.cache = KVCache()
+        self.cache = self.head.new_cache(capacity=2 * prompt_ids.shape[1] + 256)
         self._queue_ids, self._queue_hidden = [], []
         self._root_hidden = None
         self._num_tokens = prompt_ids.shape[1]
@@ -123,7 +123,7 @@ class EagleDrafter(Drafter):
         ids = torch.cat(self._queue_ids, dim=1)
         hidden = torch.cat(self._queue_hidden, dim=1)
         self._queue_ids, self._queue_hidden = [], []
-        out = self.head(ids, hidden, cache=self.cache)  # causal over the committed pairs
+        out = self.head.step(ids, hidden, self.cache)  # causal over the committed pairs
         self.cache.commit()
         self._root_hidden = out[:, -1]
 
@@ -137,13 +137,10 @@ class EagleDrafter(Drafter):
         ``[m, S + m]`` (ancestors plus the node itself)."""
         m = ids.shape[0]
         dev = hidden.device
-        committed = self.cache.length - parent_rows.shape[1]
         own = torch.eye(m, dtype=torch.bool, device=dev)
-        rows = torch.cat([parent_rows, own], dim=1)
-        allowed = torch.cat([torch.ones(m, committed, dtype=torch.bool, device=dev), rows], dim=1)
+        rows = torch.cat([parent_rows, own], dim=1)  # over the draft entries only: no context-wide mask
         pos = torch.full((1, m), position, dtype=torch.long, device=dev)
-        out = self.head(ids.view(1, m), hidden.view(1, m, -1), position_ids=pos, attention_mask=allowed.unsqueeze(0),
-                        cache=self.cache)
+        out = self.head.step(ids.view(1, m), hidden.view(1, m, -1), self.cache, position_ids=pos, block=rows.unsqueeze(0))
         self.cache.commit()  # kept until the crop in propose
         return out[0], rows
 

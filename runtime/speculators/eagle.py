@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+from ..engine import MaskBuffer, StaticKVCache, attend, rotate
 from ..target import additive_mask
 
 __all__ = ["EagleHead", "Eagle3Head", "Eagle1DecoderLayer", "Eagle3DecoderLayer", "seeded_init"]
@@ -299,6 +300,52 @@ class _EagleBase(nn.Module):
             cache.mark_appended(n)
         return out
 
+    # -- the drafting step on a static cache --------------------------------------------
+    def _step_inputs(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention input, residual) of the decoder layer for pairs ``(hidden, input_ids)``."""
+        raise NotImplementedError
+
+    def new_cache(self, capacity: int = 1024) -> StaticKVCache:
+        """A preallocated cache for :meth:`step` (one layer, batch 1)."""
+        a = self.architecture
+        return StaticKVCache(1, a["num_key_value_heads"], a["head_dim"], capacity=capacity, dtype=self.dtype,
+                             device=self.device)
+
+    @torch.inference_mode()
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, cache: StaticKVCache,
+             position_ids: torch.Tensor | None = None, block: torch.Tensor | None = None) -> torch.Tensor:
+        """What :meth:`forward` computes, on a :class:`StaticKVCache` written in place: the drafter's
+        step, without per-step cache copies, K/V repeats or masks over the whole context.
+
+        ``block`` bool ``[B, n, k]`` says which of the last ``k`` cache columns (the new tokens
+        included) each new token may attend to; everything before them is visible. None = causal.
+        """
+        cache.check_ready()
+        B, n = input_ids.shape
+        cache.reserve(n)
+        past = cache.length
+        dev, dt = self.device, self.dtype
+        hidden = hidden.to(dev, dt)
+        if position_ids is None:
+            position_ids = (past + torch.arange(n, device=dev)).expand(B, n)
+        layer, attn = self.layer, self.layer.self_attn
+        a = self.architecture
+        x, residual = self._step_inputs(input_ids.to(dev), hidden)
+        q = attn.q_proj(x).view(B, n, a["num_attention_heads"], a["head_dim"])
+        k = attn.k_proj(x).view(B, n, a["num_key_value_heads"], a["head_dim"])
+        v = attn.v_proj(x).view(B, n, a["num_key_value_heads"], a["head_dim"])
+        cos, sin = self.rotary_emb(hidden, position_ids.to(dev))
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        masks = self.__dict__.get("_masks")
+        if masks is None or masks.buf.device != dev:
+            masks = self.__dict__["_masks"] = MaskBuffer(a["num_attention_heads"] // a["num_key_value_heads"], dev)
+        mask = masks.get(block, B, n, past)
+        o = attend(cache.kv[0], rotate(q, cos, sin), rotate(k, cos, sin), v, past, mask, attn.scaling)
+        masks.release(mask, n if block is None else block.shape[-1])
+        cache.mark_appended(n)
+        h = residual + attn.o_proj(o)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         emb = self.embed_tokens
         return emb(input_ids.to(emb.weight.device)).to(self.device, self.dtype)
@@ -363,6 +410,10 @@ class EagleHead(_EagleBase):
     def _decode(self, input_ids, hidden, **kw):
         x = self.fc(torch.cat([self._embed(input_ids), hidden], dim=-1))
         return self.layer(x, **kw)
+
+    def _step_inputs(self, input_ids, hidden):
+        x = self.fc(torch.cat([self._embed(input_ids), hidden], dim=-1))
+        return x, x  # the layer's input norm is the identity
 
     def compute_logits(self, hidden):
         # features at index L are already normed (what lm_head consumes): no final norm here
@@ -454,6 +505,10 @@ class Eagle3Head(_EagleBase):
 
     def _decode(self, input_ids, hidden, **kw):
         return self.layer(hidden, input_embeds=self._embed(input_ids), **kw)
+
+    def _step_inputs(self, input_ids, hidden):
+        layer = self.layer
+        return torch.cat([layer.input_layernorm(self._embed(input_ids)), layer.hidden_norm(hidden)], dim=-1), hidden
 
     def compute_logits(self, hidden):
         return self.lm_head(self.norm(hidden.to(self.device, self.dtype)))
