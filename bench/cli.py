@@ -47,6 +47,8 @@ def register(subparsers) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--target", default="smollm2-135m", help="built-in target name or local HF directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--backend", default="auto", choices=["auto", "engine", "hf"],
+                   help="our decoding path: the static-cache engine (auto: where the architecture allows) or HF's")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--out", default=None, help="output directory (default: runs/bench/<timestamp>)")
@@ -155,7 +157,7 @@ def run_cli(args) -> int:
     out = Path(args.out) if args.out else Path("runs") / "bench" / datetime.now().strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
 
-    target = load_target(args.target, device=args.device, dtype=DTYPES[args.dtype])
+    target = load_target(args.target, device=args.device, dtype=DTYPES[args.dtype], backend=args.backend)
     factory = MethodFactory(target, args.run)
     methods, unavailable = build_methods(factory, target, args.target, args.methods, args.peers, out / "engines")
     for u in unavailable:
@@ -165,7 +167,7 @@ def run_cli(args) -> int:
                     repeats=args.repeats, seed=args.seed, stop_at_eos=not args.ignore_eos, progress=not args.no_progress)
     described = [m.describe() for m in methods]
     return write_report(out, raw, described, unavailable, {
-        "target": args.target, "dtype": args.dtype, "temperatures": temps, "max_new_tokens": args.max_new_tokens,
+        "target": args.target, "dtype": args.dtype, "backend": target.backend, "temperatures": temps, "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "seed": args.seed, "stop_at_eos": not args.ignore_eos,
         "datasets": sorted({p.dataset for p in prompts}), "limit": args.limit, "runs": [str(r) for r in args.run],
         "categories": sorted({p.key for p in prompts}), "prompts": len(prompts),

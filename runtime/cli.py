@@ -33,6 +33,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--no-adaptive", action="store_true", help="always draft at --depth")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--backend", default="auto", choices=["auto", "engine", "hf"],
+                   help="decoding path: the static-cache engine (auto: where the architecture allows) or HF's")
     p.add_argument("--compare", action="store_true", help="also run plain decoding and compare")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=_generate)
@@ -53,7 +55,7 @@ def _generate(args) -> int:
 
     if args.max_new_tokens < 1:
         raise SystemExit("--max-new-tokens must be >= 1")
-    target = load_target(args.target, device=args.device, dtype=DTYPES[args.dtype])
+    target = load_target(args.target, device=args.device, dtype=DTYPES[args.dtype], backend=args.backend)
     drafter = load_drafter(args.drafter, target=target)
     gen = SpeculativeGenerator(target, drafter, max_depth=args.depth, max_nodes=args.nodes, adaptive=not args.no_adaptive)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]

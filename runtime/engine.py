@@ -31,7 +31,7 @@ from .target import TargetModel, TargetOutput
 
 __all__ = ["EngineTarget", "LlamaEngine", "StaticKVCache", "engine_support"]
 
-_MATRICES = ("wqkv", "wo", "w_gu", "w_down")
+_MATRICES = ("wqkv", "wo", "w_gu", "w_down", "lm_head")
 _ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
@@ -61,14 +61,26 @@ def engine_support(model) -> str | None:
     return None
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, w, b)
+def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w, None)
 
 
-def _gemv(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ wt`` for a transposed weight ``wt`` ``[in, out]`` (plus bias)."""
+def _onednn(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, b, "none", [], "")
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _gemv_t(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     y = x @ wt
     return y if b is None else y + b
+
+
+# name -> (prepare a weight [out, in] once, apply(x, prepared, bias)); "aten" keeps the HF tensor
+KERNELS = {
+    "aten": (lambda w: w, F.linear),
+    "gemv_t": (lambda w: w.t().contiguous(), _gemv_t),  # [in, out] rows: one-row products only
+    "onednn": (_onednn_pack, _onednn),  # oneDNN's packed (blocked) weight layout
+}
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -201,7 +213,7 @@ class StaticKVCache:
 class LlamaEngine:
     """The fused weights and the forward of one Llama-family model (see the module docstring)."""
 
-    def __init__(self, model, gemv_layout: bool | str = "auto"):
+    def __init__(self, model, kernels: str | tuple[str, str] = "auto"):
         reason = engine_support(model)
         if reason is not None:
             raise ValueError(f"the engine cannot run this model: {reason}")
@@ -219,15 +231,19 @@ class LlamaEngine:
         self.source = (self.embed.data_ptr(), self.embed.dtype, self.embed.device)  # what it was built from
         self.final_norm = inner.norm.weight
         self.lm_head = model.get_output_embeddings().weight
+        self.head = {"lm_head": self.lm_head}
         self.rotary = inner.rotary_emb
         self.layers = [self._fuse(layer) for layer in inner.layers]
-        self.gemv_layout = self._choose_gemv_layout() if gemv_layout == "auto" else bool(gemv_layout)
-        if self.gemv_layout:
-            # single-row steps read each weight once as [in, out] rows: measured faster on CPU
-            for w in self.layers:
+        # (one-row kernel, several-row kernel): chosen by measurement on this machine unless given
+        self.kernels = self._choose_kernels() if kernels == "auto" else tuple(kernels)
+        for name in set(self.kernels):
+            if name not in KERNELS:
+                raise ValueError(f"unknown kernel {name!r}; known: {', '.join(KERNELS)}")
+            prepare = KERNELS[name][0]
+            for w in self._matrix_holders():
                 for key in _MATRICES:
-                    w[key + "_t"] = w[key].t().contiguous()
-            self.lm_head_t = self.lm_head.t().contiguous()
+                    if key in w:
+                        w[f"{key}@{name}"] = prepare(w[key])
         self._rope_len = 0
         self.masks = MaskBuffer(self.groups, self.device)
 
@@ -261,39 +277,50 @@ class LlamaEngine:
     def device(self) -> torch.device:
         return self.embed.device
 
-    @torch.inference_mode()
-    def _choose_gemv_layout(self, reps: int = 3) -> bool:
-        """Whether single-row products run faster against transposed ([in, out]) weights.
-
-        On the CPUs measured here (AMD EPYC, MKL) ``x @ W.T`` with ``W.T`` contiguous streams the
-        weights ~1.5x faster than ``F.linear(x, W)`` for one row, while several rows are faster
-        in the HF layout; so the engine keeps both on CPU when one row is faster transposed.
-        Decided once from the LM head (the largest matrix) and one layer, best of ``reps``.
-        """
-        if self.device.type != "cpu":
-            return False
-        import time
-
-        mats = [self.lm_head] + [self.layers[0][k] for k in _MATRICES]
-        trans = [m.t().contiguous() for m in mats]
-        xs = [torch.randn(1, m.shape[1], dtype=self.dtype, device=self.device) for m in mats]
-
-        def best(fn):
-            fn()
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return min(times)
-
-        plain = best(lambda: [F.linear(x, m) for x, m in zip(xs, mats)])
-        transposed = best(lambda: [x @ t for x, t in zip(xs, trans)])
-        return transposed < 0.9 * plain
-
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
+
+    def _matrix_holders(self) -> list[dict]:
+        return self.layers + [self.head]
+
+    @torch.inference_mode()
+    def _choose_kernels(self, reps: int = 3) -> tuple[str, str]:
+        """The fastest kernel for one-row (plain steps) and for 4-row products (verification).
+
+        Measured once on the LM head and the first layer's matrices (best of ``reps``). On the
+        CPUs measured here (AMD EPYC, MKL + oneDNN in the torch wheel) oneDNN's packed weights run
+        4-16 rows 1.5-2x faster than ``F.linear`` and bf16 one-row products 1.4x faster;
+        fp32 one-row products are fastest against transposed weights (see docs/results.md).
+        Off CPU the ATen kernels (cuBLAS) are used.
+        """
+        if self.device.type != "cpu":
+            return ("aten", "aten")
+        import time
+
+        mats = [self.lm_head] + [self.layers[0][k] for k in _MATRICES if k in self.layers[0]]
+        candidates = {"aten": mats, "gemv_t": [KERNELS["gemv_t"][0](m) for m in mats]}
+        try:
+            candidates["onednn"] = [_onednn_pack(m) for m in mats]
+            _onednn(torch.zeros(1, mats[0].shape[1], dtype=self.dtype), candidates["onednn"][0])
+        except (RuntimeError, AttributeError):  # a torch build without oneDNN
+            candidates.pop("onednn", None)
+
+        def cost(name: str, rows: int) -> float:
+            apply = KERNELS[name][1]
+            xs = [torch.randn(rows, m.shape[1], dtype=self.dtype) for m in mats]
+            run = lambda: [apply(x, p) for x, p in zip(xs, candidates[name])]  # noqa: E731
+            run()
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        one = min(candidates, key=lambda k: cost(k, 1))
+        several = min((k for k in candidates if k != "gemv_t"), key=lambda k: cost(k, 4))
+        return (one, several)
 
     def new_cache(self, batch: int = 1, capacity: int = 1024) -> StaticKVCache:
         return StaticKVCache(self.num_layers, self.hkv, self.head_dim, batch=batch, capacity=capacity,
@@ -334,9 +361,8 @@ class LlamaEngine:
         cos, sin = self._rope(position_ids.to(self.device))
         mask = self.masks.get(tree_mask, B, n, past)
         kv = cache.kv
-        gemv = self.gemv_layout and B * n == 1
-        lin = _gemv if gemv else _linear
-        sfx = "_t" if gemv else ""
+        kernel = self.kernels[0] if B * n == 1 else self.kernels[1]
+        lin, sfx = KERNELS[kernel][1], "@" + kernel
         feats, want = [], set(feature_layers)
         x = F.embedding(input_ids.to(self.device), self.embed)
         for i, w in enumerate(self.layers):
@@ -364,10 +390,8 @@ class LlamaEngine:
             features = torch.stack([by_layer[i] for i in feature_layers], dim=2)
         if logits_for is not None:
             x = x[:, logits_for.to(self.device)]
-        if x.shape[0] * x.shape[1] == 1 and self.gemv_layout:
-            logits = _gemv(x, self.lm_head_t)
-        else:
-            logits = F.linear(x, self.lm_head)
+        head_kernel = self.kernels[0] if x.shape[0] * x.shape[1] == 1 else self.kernels[1]
+        logits = KERNELS[head_kernel][1](x, self.head["lm_head@" + head_kernel])
         return TargetOutput(logits=logits, features=features)
 
 
