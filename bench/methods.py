@@ -4,6 +4,7 @@ in-process peers (HF transformers ``generate``: plain, prompt lookup, assisted w
 A method spec is ``SOURCE[:SHAPE][@DEPTH]``:
 
 - ``plain``: our plain decoding (``speculate=False``), the reference of every ratio;
+- ``plain-hf``: the same on the HF ``DynamicCache`` path instead of the engine (same weights);
 - ``ngram`` / ``draft``: shapes ``chain`` (default) and ``adaptive``;
 - ``medusa``: ``static`` (its static tree, default), ``chain``, ``adaptive``;
 - ``eagle`` / ``eagle3``: ``dynamic`` (EAGLE-2 tree, default), ``chain``, ``adaptive``;
@@ -264,6 +265,13 @@ class MethodFactory:
             if shape or depth:
                 raise ValueError(f"bad method spec {spec!r}: plain takes no shape or depth")
             return self.plain()
+        if src_name == "plain-hf":
+            if shape or depth:
+                raise ValueError(f"bad method spec {spec!r}: plain-hf takes no shape or depth")
+            # the same weights on the HF DynamicCache path: what the engine replaced, in the same run
+            hf_path = TargetModel(self.target.model, self.target.tokenizer, name=self.target.name)
+            return Method("plain-hf", "our plain decoding on the HF path (no engine)", "ours",
+                          generator_runner(SpeculativeGenerator(hf_path), speculate=False), draft_depth=0)
         if src_name in HF_PEERS:
             return self._hf_peer(src_name, shape, depth, spec)
         if src_name in EXTERNAL_PEERS:

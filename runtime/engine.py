@@ -161,6 +161,14 @@ class StaticKVCache:
     def _empty(self, capacity: int, dtype, device) -> torch.Tensor:
         return torch.zeros(*self.shape[:4], capacity, self.shape[5], dtype=dtype, device=device)
 
+    def rebatch(self, batch: int) -> None:
+        """Reallocate an empty cache for ``batch`` sequences."""
+        if self.length or self._pending:
+            raise RuntimeError("only an empty cache can change its batch size")
+        self.shape = (*self.shape[:2], batch, *self.shape[3:])
+        self.batch = batch
+        self.kv = self._empty(self.capacity, self.kv.dtype, self.kv.device)
+
     @property
     def capacity(self) -> int:
         return self.kv.shape[-2]
@@ -214,6 +222,11 @@ class LlamaEngine:
     """The fused weights and the forward of one Llama-family model (see the module docstring)."""
 
     def __init__(self, model, kernels: str | tuple[str, str] = "auto"):
+        # built as ordinary tensors even when first needed inside an inference_mode block
+        with torch.inference_mode(False), torch.no_grad():
+            self._build(model, kernels)
+
+    def _build(self, model, kernels) -> None:
         reason = engine_support(model)
         if reason is not None:
             raise ValueError(f"the engine cannot run this model: {reason}")
@@ -246,6 +259,13 @@ class LlamaEngine:
                         w[f"{key}@{name}"] = prepare(w[key])
         self._rope_len = 0
         self.masks = MaskBuffer(self.groups, self.device)
+        self.version = self.weights_version()
+
+    def weights_version(self) -> int:
+        """Sum of the source matrices' in-place version counters: an edit of a weight after the
+        prepared (packed/transposed) copies were made changes it."""
+        return sum(0 if w[k].is_inference() else w[k]._version
+                   for w in self._matrix_holders() for k in _MATRICES if k in w)
 
     @staticmethod
     def _fused(linears, attr: str) -> torch.Tensor | None:
@@ -354,7 +374,9 @@ class LlamaEngine:
         cache.check_ready()
         B, n = input_ids.shape
         if B != cache.batch:
-            raise ValueError(f"input batch {B} != cache batch {cache.batch}")
+            if cache.length or cache._pending:
+                raise ValueError(f"input batch {B} != cache batch {cache.batch}")
+            cache.rebatch(B)  # an empty cache takes the batch of its first forward
         cache.reserve(n)
         past = cache.length
         hq, hkv, D = self.hq, self.hkv, self.head_dim
@@ -410,8 +432,10 @@ class EngineTarget(TargetModel):
 
     def _engine(self) -> LlamaEngine:
         # a .to(device/dtype) of the HF model after wrapping replaces its tensors: never use stale ones
+        # and an in-place edit of a weight leaves the packed copies stale: rebuild then too
         w = self.model.get_input_embeddings().weight
-        if (w.data_ptr(), w.dtype, w.device) != self.engine.source:
+        if (w.data_ptr(), w.dtype, w.device) != self.engine.source or \
+                self.engine.weights_version() != self.engine.version:
             self.engine = LlamaEngine(self.model)
         return self.engine
 

@@ -131,6 +131,14 @@ def test_engine_weights_are_shared_with_the_hf_model():
     fused = t.engine.layers[1]["wqkv"]
     assert attn.q_proj.weight.data_ptr() == fused.data_ptr()
     assert attn.k_proj.weight.data_ptr() == fused[attn.q_proj.weight.shape[0]:].data_ptr()
+    # an in-place edit of a weight after wrapping reaches the prepared (packed) copies
+    ids = torch.tensor([[1, 2, 3]])
+    before = t.forward(ids, t.new_cache()).logits
+    with torch.no_grad():
+        t.model.model.layers[0].mlp.up_proj.weight.mul_(2)
+    after = t.forward(ids, t.new_cache()).logits
+    torch.testing.assert_close(after, t.model(ids).logits, rtol=0, atol=1e-10)
+    assert not torch.allclose(before, after)
     # a dtype change of the HF model after wrapping rebuilds the engine instead of using stale weights
     t.model.float()
     out = t.forward(torch.tensor([[1, 2, 3]]), t.new_cache())
@@ -219,13 +227,13 @@ def test_budget_test_catches_the_dynamic_cache_copies():
 
 def test_static_cache_rejects_a_batch_mismatch_and_grows():
     t = tiny_llama(0)
-    cache = t.new_cache(batch=2, capacity=3)
+    cache = t.new_cache(capacity=3)
     assert isinstance(cache, StaticKVCache) and cache.capacity == 3
+    t.forward(torch.tensor([[1, 2, 3, 4], [4, 3, 2, 1]]), cache)  # an empty cache takes the batch
+    cache.commit()
+    assert cache.batch == 2 and cache.capacity >= 4 and cache.length == 4
     with pytest.raises(ValueError, match="batch"):
         t.forward(torch.tensor([[1, 2]]), cache)
-    t.forward(torch.tensor([[1, 2, 3, 4], [4, 3, 2, 1]]), cache)
-    cache.commit()
-    assert cache.capacity >= 4 and cache.length == 4
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])

@@ -36,6 +36,7 @@ import torch
 
 from ..sampling import probs_from_logits
 from ..speculators import Eagle3Head, EagleHead, load_speculator, read_config
+from ..target import KVCache
 from ..tree import Draft
 from .base import DraftContext, Drafter, register_drafter
 
@@ -61,7 +62,10 @@ class EagleDrafter(Drafter):
         self.feature_layers = tuple(head.feature_layers)
         self.default_depth = depth
         self.default_nodes = self.total_tokens
-        self.cache = None  # the head's StaticKVCache, made by begin()
+        self.cache = None  # made by begin()
+        # heads with an in-place step (ours) draft on a StaticKVCache; wrappers that only have the
+        # HF-style forward (the ONNX Runtime head) keep a KVCache and full masks
+        self._static = hasattr(head, "step") and hasattr(head, "new_cache")
         self._num_tokens = 0  # committed tokens, root included
         self._queue_ids: list[torch.Tensor] = []  # next tokens of pairs not yet run
         self._queue_hidden: list[torch.Tensor] = []  # fused features of those pairs
@@ -71,7 +75,7 @@ class EagleDrafter(Drafter):
     def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
         if prompt_ids.shape[0] != 1:
             raise ValueError(f"the {self.type} drafter serves one sequence (batch size 1)")
-        self.cache = self.head.new_cache(capacity=2 * prompt_ids.shape[1] + 256)
+        self.cache = self.head.new_cache(capacity=2 * prompt_ids.shape[1] + 256) if self._static else KVCache()
         self._queue_ids, self._queue_hidden = [], []
         self._root_hidden = None
         self._num_tokens = prompt_ids.shape[1]
@@ -123,7 +127,10 @@ class EagleDrafter(Drafter):
         ids = torch.cat(self._queue_ids, dim=1)
         hidden = torch.cat(self._queue_hidden, dim=1)
         self._queue_ids, self._queue_hidden = [], []
-        out = self.head.step(ids, hidden, self.cache)  # causal over the committed pairs
+        if self._static:
+            out = self.head.step(ids, hidden, self.cache)  # causal over the committed pairs
+        else:
+            out = self.head(ids, hidden, cache=self.cache)
         self.cache.commit()
         self._root_hidden = out[:, -1]
 
@@ -140,7 +147,14 @@ class EagleDrafter(Drafter):
         own = torch.eye(m, dtype=torch.bool, device=dev)
         rows = torch.cat([parent_rows, own], dim=1)  # over the draft entries only: no context-wide mask
         pos = torch.full((1, m), position, dtype=torch.long, device=dev)
-        out = self.head.step(ids.view(1, m), hidden.view(1, m, -1), self.cache, position_ids=pos, block=rows.unsqueeze(0))
+        if self._static:
+            out = self.head.step(ids.view(1, m), hidden.view(1, m, -1), self.cache, position_ids=pos,
+                                 block=rows.unsqueeze(0))
+        else:
+            committed = self.cache.length - parent_rows.shape[1]
+            allowed = torch.cat([torch.ones(m, committed, dtype=torch.bool, device=dev), rows], dim=1)
+            out = self.head(ids.view(1, m), hidden.view(1, m, -1), position_ids=pos,
+                            attention_mask=allowed.unsqueeze(0), cache=self.cache)
         self.cache.commit()  # kept until the crop in propose
         return out[0], rows
 
