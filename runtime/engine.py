@@ -83,6 +83,29 @@ KERNELS = {
 }
 
 
+class PreparedLinears:
+    """Runs ``nn.Linear`` modules through the engine's kernels (one-row / several-row choice),
+    keeping a kernel-prepared copy of each weight that is remade when the weight changes
+    (pointer, dtype or in-place version). Used by the speculator heads' drafting steps."""
+
+    def __init__(self, kernels: tuple[str, str]):
+        self.kernels = tuple(kernels)
+        self._prepared: dict = {}
+
+    def __call__(self, lin: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.kernels[0] if x.numel() == x.shape[-1] else self.kernels[1]
+        if kernel == "aten":
+            return F.linear(x, lin.weight, lin.bias)
+        w = lin.weight
+        stamp = (w.data_ptr(), w.dtype, 0 if w.is_inference() else w._version)
+        key = (id(lin), kernel)
+        hit = self._prepared.get(key)
+        if hit is None or hit[1] != stamp:
+            with torch.inference_mode(False), torch.no_grad():
+                hit = self._prepared[key] = (KERNELS[kernel][0](w.detach()), stamp)
+        return KERNELS[kernel][1](x, hit[0], lin.bias)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE (HF's rotate-half convention) of ``x`` ``[B, n, heads, D]`` with ``cos``/``sin`` ``[B, n, 1, D]``."""
     h = x.shape[-1] // 2

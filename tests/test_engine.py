@@ -265,3 +265,37 @@ def test_head_static_step_equals_its_hf_forward(kind):
     ref = head(ids[:, :3], hidden[:, :3], position_ids=pos, attention_mask=full, cache=ref_cache)
     out = head.step(ids[:, :3], hidden[:, :3], cache, position_ids=pos, block=rows)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+
+
+def test_head_kernels_match_plain_linears_and_follow_weight_edits():
+    """The heads' drafting linears on the engine's kernels (what load_drafter sets up for an
+    engine target) equal F.linear, and an in-place weight edit reaches the prepared copy."""
+    from specfoundry.runtime.speculators import Eagle3Head
+
+    kernels = ("onednn", "onednn") if _onednn_available() else ("gemv_t", "aten")
+    target = tiny_llama(0, dtype=torch.float32)
+    head = Eagle3Head.from_target(target, draft_vocab_size=32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (1, 5), generator=g)
+    hidden = torch.randn(1, 5, 32, generator=g)
+
+    def run():
+        cache = head.new_cache()
+        out = head.step(ids, hidden, cache)
+        cache.commit()
+        one = head.step(ids[:, :1], hidden[:, :1], cache)  # a one-row step
+        return out, one, head.compute_logits(one)
+
+    head.use_kernels(None)
+    ref = run()
+    head.use_kernels(kernels)
+    for a, b in zip(ref, run()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        head.layer.mlp.down_proj.weight.mul_(3)
+    edited = run()
+    head.use_kernels(None)
+    for a, b in zip(run(), edited):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    drafter = load_drafter("eagle3", target=target)
+    assert drafter.head.__dict__["_linears"].kernels == target.engine.kernels

@@ -295,6 +295,9 @@ def _make(drafter_cls, source, target, architecture: dict | None = None, seed: i
         # the draft shape the training run measured its tau with is the default; options win
         saved = (read_config(source).get("training") or {}).get("drafter_options") or {}
         options = {**{k: v for k, v in saved.items() if k in _TREE_OPTIONS}, **options}
+    engine = getattr(target, "engine", None)
+    if engine is not None and hasattr(head, "use_kernels"):
+        head.use_kernels(engine.kernels)  # the target engine's measured kernels for this machine/dtype
     return drafter_cls(head, **options)
 
 

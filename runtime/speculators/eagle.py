@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
-from ..engine import MaskBuffer, StaticKVCache, attend, rotate
+from ..engine import MaskBuffer, PreparedLinears, StaticKVCache, attend, rotate
 from ..target import additive_mask
 
 __all__ = ["EagleHead", "Eagle3Head", "Eagle1DecoderLayer", "Eagle3DecoderLayer", "seeded_init"]
@@ -301,6 +301,15 @@ class _EagleBase(nn.Module):
         return out
 
     # -- the drafting step on a static cache --------------------------------------------
+    def use_kernels(self, kernels: tuple[str, str] | None) -> None:
+        """Run the drafting path's linears through the engine's kernels (e.g. the target
+        engine's measured choice); None = ``F.linear``. Training's :meth:`forward` is unaffected."""
+        self.__dict__["_linears"] = PreparedLinears(kernels) if kernels else None
+
+    def _lin(self, lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        run = self.__dict__.get("_linears")
+        return lin(x) if run is None or torch.is_grad_enabled() else run(lin, x)
+
     def _step_inputs(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention input, residual) of the decoder layer for pairs ``(hidden, input_ids)``."""
         raise NotImplementedError
@@ -331,9 +340,10 @@ class _EagleBase(nn.Module):
         layer, attn = self.layer, self.layer.self_attn
         a = self.architecture
         x, residual = self._step_inputs(input_ids.to(dev), hidden)
-        q = attn.q_proj(x).view(B, n, a["num_attention_heads"], a["head_dim"])
-        k = attn.k_proj(x).view(B, n, a["num_key_value_heads"], a["head_dim"])
-        v = attn.v_proj(x).view(B, n, a["num_key_value_heads"], a["head_dim"])
+        lin = self._lin
+        q = lin(attn.q_proj, x).view(B, n, a["num_attention_heads"], a["head_dim"])
+        k = lin(attn.k_proj, x).view(B, n, a["num_key_value_heads"], a["head_dim"])
+        v = lin(attn.v_proj, x).view(B, n, a["num_key_value_heads"], a["head_dim"])
         cos, sin = self.rotary_emb(hidden, position_ids.to(dev))
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         masks = self.__dict__.get("_masks")
@@ -343,8 +353,9 @@ class _EagleBase(nn.Module):
         o = attend(cache.kv[0], rotate(q, cos, sin), rotate(k, cos, sin), v, past, mask, attn.scaling)
         masks.release(mask, n if block is None else block.shape[-1])
         cache.mark_appended(n)
-        h = residual + attn.o_proj(o)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = residual + lin(attn.o_proj, o)
+        mlp, x = layer.mlp, layer.post_attention_layernorm(h)
+        return h + lin(mlp.down_proj, mlp.act_fn(lin(mlp.gate_proj, x)) * lin(mlp.up_proj, x))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         emb = self.embed_tokens
@@ -412,13 +423,13 @@ class EagleHead(_EagleBase):
         return self.layer(x, **kw)
 
     def _step_inputs(self, input_ids, hidden):
-        x = self.fc(torch.cat([self._embed(input_ids), hidden], dim=-1))
+        x = self._lin(self.fc, torch.cat([self._embed(input_ids), hidden], dim=-1))
         return x, x  # the layer's input norm is the identity
 
     def compute_logits(self, hidden):
         # features at index L are already normed (what lm_head consumes): no final norm here
         w = self.lm_head.weight
-        return self.lm_head(hidden.to(w.device, w.dtype))
+        return self._lin(self.lm_head, hidden.to(w.device, w.dtype))
 
     @classmethod
     def build(cls, architecture, target):
@@ -501,7 +512,7 @@ class Eagle3Head(_EagleBase):
             raise ValueError(f"expected {len(self.feature_norms)} feature layers, got {features.shape[2]}")
         # normalise each layer first: raw target activations reach ~2.5e4
         parts = [norm(features[:, :, i]) for i, norm in enumerate(self.feature_norms)]
-        return self.fc(torch.cat(parts, dim=-1))
+        return self._lin(self.fc, torch.cat(parts, dim=-1))
 
     def _decode(self, input_ids, hidden, **kw):
         return self.layer(hidden, input_embeds=self._embed(input_ids), **kw)
@@ -511,7 +522,7 @@ class Eagle3Head(_EagleBase):
         return torch.cat([layer.input_layernorm(self._embed(input_ids)), layer.hidden_norm(hidden)], dim=-1), hidden
 
     def compute_logits(self, hidden):
-        return self.lm_head(self.norm(hidden.to(self.device, self.dtype)))
+        return self._lin(self.lm_head, self.norm(hidden.to(self.device, self.dtype)))
 
     @classmethod
     def build(cls, architecture, target):
