@@ -386,8 +386,10 @@ class LlamaEngine:
         # HF's RMSNorm: statistics in float32, scale applied after casting back
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), w, self.eps)
-        xf = x.float()
-        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        if x.dtype == torch.float64:  # tests: HF's exact op order (its float32 round trip included)
+            xf = x.float()
+            return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return w * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: StaticKVCache, position_ids: torch.Tensor,
@@ -415,10 +417,12 @@ class LlamaEngine:
                 feats.append((i, x))
             h = self._norm(x, w["ln1"])
             qkv = lin(h, w["wqkv" + sfx], w["bqkv"]).view(B, n, hq + 2 * hkv, D)
-            q, k, v = qkv.split((hq, hkv, hkv), dim=2)
-            if w["q_norm"] is not None:  # Qwen3: per-head norms before RoPE
-                q, k = self._norm(q, w["q_norm"]), self._norm(k, w["k_norm"])
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            if w["q_norm"] is None:  # Q and K are adjacent heads: one RoPE for both
+                q, k = rotate(qkv[:, :, : hq + hkv], cos, sin).split((hq, hkv), dim=2)
+                v = qkv[:, :, hq + hkv:]
+            else:  # Qwen3: per-head norms before RoPE
+                q, k, v = qkv.split((hq, hkv, hkv), dim=2)
+                q, k = rotate(self._norm(q, w["q_norm"]), cos, sin), rotate(self._norm(k, w["k_norm"]), cos, sin)
             o = attend(kv[i], q, k, v, past, mask, self.scale)
             x = x + lin(o, w["wo" + sfx])
             h = self._norm(x, w["ln2"])
