@@ -1,16 +1,28 @@
-"""Adaptive speculation: pick the draft depth that maximises expected tokens per second.
+"""Adaptive speculation: pick the draft *shape* (depth and node count) that maximises expected
+tokens per second, from measured acceptance and this machine's measured costs.
 
-Tracks, per draft depth d, the conditional acceptance a_d = P(depth d accepted | depth d-1
-accepted) and the measured costs (draft time per depth, verify time per forward size). The
-expected tokens of a depth-k step are ``1 + sum_j prod_{i<=j} a_i`` (for a constant ``a`` this
-is Leviathan et al.'s ``(1 - a^(k+1)) / (1 - a)``). Depth 0 is plain decoding; while it wins,
-a speculative probe still runs every ``probe_every`` steps so the estimates stay current.
+A shape is ``(k, n)``: a draft of depth ``k`` verified as ``n`` nodes (root included); ``(0, 1)``
+is plain decoding, ``(k, k + 1)`` a chain. Per shape the controller estimates
 
-Choices only depend on the past, never on values not yet drawn, so they cannot change what
-the verifier emits: greedy output and the sampling distribution are unaffected.
+- expected tokens per step: a prior from the per-depth conditional acceptance
+  ``a_d = P(depth d accepted | depth d-1 accepted)`` (``1 + sum_j prod_{i<=j} a_i``, Leviathan et
+  al.'s ``(1 - a^(k+1)) / (1 - a)`` for constant ``a``), widened for trees as if each of the
+  ``b = (n - 1) / k`` candidates per level had an independent chance ``a_d``; blended with the
+  tokens that shape really produced once it has run;
+- verification time of ``n`` nodes: measured per forward size, and for sizes not yet run the
+  nearest measured size scaled by the target's measured cost curve ``cost(n) / cost(1)`` (on a CPU
+  verification is compute-bound and the curve decides between chains and trees);
+- drafting time: measured per shape, else per depth.
+
+Plain decoding runs once first (to measure a single-token step) and whenever it wins; a
+speculative probe still runs every ``probe_every`` plain steps so the estimates stay current.
+Choices only depend on the past, never on values not yet drawn, so they cannot change what the
+verifier emits: greedy output and the sampling distribution are unaffected.
 """
 
 from __future__ import annotations
+
+Shape = tuple[int, int]
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -39,19 +51,21 @@ class _Ema:
 
 class AdaptiveController:
     def __init__(self, max_depth: int, enabled: bool = True, probe_every: int = 8, warmup: int = 4,
-                 prior_acceptance: float = 0.5, prior_strength: float = 2.0):
+                 prior_acceptance: float = 0.5, prior_strength: float = 2.0,
+                 cost_curve: dict[int, float] | None = None):
         self.max_depth = max_depth
         self.enabled = enabled
         self.probe_every = probe_every
         self.warmup = warmup
         self.prior = (prior_acceptance * prior_strength, prior_strength)
+        self.cost_curve = dict(sorted((cost_curve or {}).items()))  # forward size -> relative cost
         self.tried = [0] * (max_depth + 1)  # tried[d]: steps where depth d was drafted and d-1 reached
         self.passed = [0] * (max_depth + 1)
         self.verify_cost: dict[int, _Ema] = {}  # forward size -> seconds
-        self.draft_cost: dict[int, _Ema] = {}  # depth -> seconds
+        self.draft_cost: dict[Shape, _Ema] = {}  # shape -> seconds
+        self.shape_tokens: dict[Shape, list[float]] = {}  # shape -> [steps, tokens]
         self.steps = 0
         self.plain_streak = 0
-        self.last_choice = max_depth
 
     # -- estimates -------------------------------------------------------------------
     def acceptance(self) -> list[float]:
@@ -62,61 +76,102 @@ class AdaptiveController:
         """Measured conditional acceptance per depth (no prior; 0.0 where never tried)."""
         return [self.passed[d] / self.tried[d] if self.tried[d] else 0.0 for d in range(1, self.max_depth + 1)]
 
-    def _verify_seconds(self, n: int) -> float | None:
+    def _curve(self, n: int) -> float | None:
+        """Relative cost of an ``n``-node forward, interpolated in the measured curve."""
+        pts = list(self.cost_curve.items())
+        if not pts:
+            return None
+        if n <= pts[0][0]:
+            return pts[0][1]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if n <= x1:
+                return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+        (x0, y0), (x1, y1) = pts[-2:] if len(pts) > 1 else (pts[0], (pts[0][0] + 1, pts[0][1]))
+        return y1 + max(y1 - y0, 0.0) / (x1 - x0) * (n - x1)
+
+    def verify_seconds(self, n: int) -> float | None:
         if n in self.verify_cost:
             return self.verify_cost[n].value
         known = sorted((k, e.value) for k, e in self.verify_cost.items())
         if not known:
             return None
+        near, secs = min(known, key=lambda kv: abs(kv[0] - n))
+        if self.cost_curve:
+            return secs * self._curve(n) / self._curve(near)
         if len(known) == 1:
-            return known[0][1]
-        # linear fit through the measured sizes (cost grows slowly with the number of tokens)
+            return secs
+        # no curve: a linear fit through the measured sizes
         xs, ys = zip(*known)
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         var = sum((x - mx) ** 2 for x in xs)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
         return max(my + max(slope, 0.0) * (n - mx), 1e-6)
 
-    def expected_rate(self, k: int, nodes: int) -> float | None:
-        verify = self._verify_seconds(nodes if k else 1)
+    def draft_seconds(self, shape: Shape) -> float:
+        if shape[0] == 0:
+            return 0.0
+        if shape in self.draft_cost:
+            return self.draft_cost[shape].value
+        same_depth = [e.value for (k, _), e in self.draft_cost.items() if k == shape[0]]
+        if same_depth:
+            return min(same_depth)
+        if not self.draft_cost:
+            return 0.0
+        (k, _), e = max(self.draft_cost.items())
+        return e.value * shape[0] / k
+
+    def tokens(self, shape: Shape) -> float:
+        """Expected new tokens per step of ``shape`` (prior blended with what it produced)."""
+        k, n = shape
+        if k == 0:
+            return 1.0
+        b = max(1.0, (n - 1) / k)
+        prior = expected_tokens([1 - (1 - a) ** b for a in self.acceptance()], k)
+        steps, toks = self.shape_tokens.get(shape, (0, 0.0))
+        strength = self.prior[1]
+        return (prior * strength + toks) / (strength + steps)
+
+    def expected_rate(self, shape: Shape) -> float | None:
+        verify = self.verify_seconds(shape[1] if shape[0] else 1)
         if verify is None:
             return None
-        draft = self.draft_cost[k].value if k in self.draft_cost else (
-            (max(self.draft_cost.items())[1].value * k / max(self.draft_cost)) if self.draft_cost else 0.0)
-        tokens = expected_tokens(self.acceptance(), k) if k else 1.0
-        return tokens / (verify + (draft if k else 0.0))
+        return self.tokens(shape) / (verify + self.draft_seconds(shape))
 
     # -- decisions -------------------------------------------------------------------
-    def choose(self, nodes_for_depth) -> int:
-        """Depth for the next step; ``nodes_for_depth(k)`` gives the forward size at depth k."""
+    def choose(self, shapes: list[Shape]) -> Shape:
+        """The shape for the next step among ``shapes`` (the last one is the largest, used when
+        the controller is disabled or still warming up)."""
+        fixed = shapes[-1]
         if not self.enabled or self.max_depth == 0:
-            return self.max_depth
+            return fixed
         self.steps += 1
         if self.steps == 1:
-            return 0  # one plain step measures the single-token cost
+            return (0, 1)  # one plain step measures the single-token cost
         if self.steps <= self.warmup + 1:
-            return self.max_depth
-        rates = {k: self.expected_rate(k, nodes_for_depth(k)) for k in range(self.max_depth + 1)}
+            return fixed
+        rates = {s: self.expected_rate(s) for s in [(0, 1), *shapes]}
         if any(r is None for r in rates.values()):
-            return self.max_depth
-        best = max(rates, key=lambda k: (rates[k], -k))
-        if best == 0:
+            return fixed
+        best = max(rates, key=lambda s: (rates[s], -s[1]))
+        if best[0] == 0:
             self.plain_streak += 1
             if self.plain_streak >= self.probe_every:
                 self.plain_streak = 0
-                best = max((k for k in rates if k > 0), key=lambda k: rates[k])
+                best = max((s for s in rates if s[0] > 0), key=lambda s: rates[s])
         else:
             self.plain_streak = 0
-        self.last_choice = best
         return best
 
-    def record(self, depth_drafted: int, accepted: int, forward_size: int, verify_s: float, draft_s: float) -> None:
+    def record(self, shape: Shape, depth_drafted: int, accepted: int, forward_size: int, verify_s: float,
+               draft_s: float) -> None:
         for d in range(1, depth_drafted + 1):
             if d - 1 > accepted:
                 break
             self.tried[d] += 1
             self.passed[d] += int(accepted >= d)
         self.verify_cost.setdefault(forward_size, _Ema()).update(verify_s)
-        if depth_drafted:
-            self.draft_cost.setdefault(depth_drafted, _Ema()).update(draft_s)
-
+        if shape[0]:
+            self.draft_cost.setdefault(shape, _Ema()).update(draft_s)
+            st = self.shape_tokens.setdefault(shape, [0, 0.0])
+            st[0] += 1
+            st[1] += accepted + 1

@@ -457,6 +457,33 @@ class EngineTarget(TargetModel):
     def new_cache(self, batch: int = 1, capacity: int | None = None) -> StaticKVCache:
         return self._engine().new_cache(batch, capacity or 1024)
 
+    def cost_curve(self, sizes=(1, 2, 4, 8, 16, 32, 64), past: int = 256, reps: int = 2) -> dict[int, float]:
+        """Measured forward cost of ``n`` new tokens relative to one, after ``past`` tokens
+        (best of ``reps``), for the adaptive controller; measured once per engine and thread
+        count (~1 s here)."""
+        engine = self._engine()
+        curves = engine.__dict__.setdefault("curves", {})
+        threads = torch.get_num_threads()
+        if threads not in curves:
+            import time
+
+            gen = torch.Generator().manual_seed(0)
+            cache = self.new_cache(capacity=past + max(sizes))
+            self.forward(torch.randint(0, self.vocab_size, (1, past), generator=gen), cache)
+            cache.commit()
+            secs = {}
+            for n in sizes:
+                ids = torch.randint(0, self.vocab_size, (1, n), generator=gen)
+                best = float("inf")
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    self.forward(ids, cache)
+                    best = min(best, time.perf_counter() - t0)
+                    cache.rollback()
+                secs[n] = best
+            curves[threads] = {n: s / secs[sizes[0]] for n, s in secs.items()}
+        return dict(curves[threads])
+
     def _engine(self) -> LlamaEngine:
         # a .to(device/dtype) of the HF model after wrapping replaces its tensors: never use stale ones
         # and an in-place edit of a weight leaves the packed copies stale: rebuild then too

@@ -164,7 +164,10 @@ class SpeculativeGenerator:
         eos = target.eos_token_ids if stop_at_eos else set()
         feature_layers = tuple(drafter.feature_layers) if drafter else ()
         max_depth = self.max_depth if drafter else 0
-        control = AdaptiveController(max_depth, enabled=self.adaptive and drafter is not None)
+        adaptive = self.adaptive and drafter is not None
+        curve = getattr(target, "cost_curve", None) if adaptive else None
+        control = AdaptiveController(max_depth, enabled=adaptive, cost_curve=curve() if curve else None)
+        shapes = self._shapes(max_depth)
         stats = GenerationStats()
 
         t_start = time.perf_counter()
@@ -186,9 +189,10 @@ class SpeculativeGenerator:
         while len(emitted) < max_new_tokens:
             root = ids[:, -1]
             t0 = time.perf_counter()
-            depth = control.choose(self._nodes_for_depth) if drafter is not None else 0
+            shape = control.choose(shapes) if drafter is not None else (0, 1)
+            depth = shape[0]
             if depth > 0:
-                draft = drafter.propose(DraftContext(ids, sampling, depth, min(self.max_nodes, self._nodes_for_depth(depth)), gen))
+                draft = drafter.propose(DraftContext(ids, sampling, depth, shape[1], gen))
             else:
                 draft = Draft.root_only(root)
             t1 = time.perf_counter()
@@ -209,7 +213,7 @@ class SpeculativeGenerator:
             n_drafted = draft.num_nodes - 1
             n_acc = int(res.accept_len[0])
             depth_drafted = int(depths.max()) if n_drafted else 0
-            control.record(depth_drafted, n_acc, draft.num_nodes, t2 - t1, (t1 - t0) + (t3 - t2))
+            control.record(shape, depth_drafted, n_acc, draft.num_nodes, t2 - t1, (t1 - t0) + (t3 - t2))
             stats.target_forwards += 1
             stats.drafted += n_drafted
             stats.accepted += n_acc
@@ -240,11 +244,17 @@ class SpeculativeGenerator:
             if done:
                 break
 
-    def _nodes_for_depth(self, depth: int) -> int:
-        """Forward size the drafter would use at ``depth`` (chains: depth + 1)."""
-        if depth == 0:
-            return 1
-        if self.max_depth and self.max_nodes > self.max_depth + 1:
-            # trees: scale the node budget with depth
-            return max(depth + 1, round(self.max_nodes * depth / self.max_depth))
-        return depth + 1
+    def _shapes(self, max_depth: int) -> list[tuple[int, int]]:
+        """Draft shapes ``(depth, nodes)`` the adaptive controller chooses among, the fixed shape
+        (``max_depth``, ``max_nodes``) last: chains of every depth and, for drafters that grow
+        trees, node budgets of 4, 8, 16, 32, 64 up to ``max_nodes``."""
+        if max_depth == 0:
+            return [(0, 1)]
+        trees = self.max_nodes > self.max_depth + 1
+        shapes = []
+        for k in range(1, max_depth + 1):
+            sizes = {k + 1} | ({n for n in (4, 8, 16, 32, 64, self.max_nodes) if k + 1 < n <= self.max_nodes}
+                               if trees else set())
+            shapes += [(k, n) for n in sorted(sizes)]
+        fixed = (max_depth, self.max_nodes if trees else max_depth + 1)
+        return [s for s in shapes if s != fixed] + [fixed]

@@ -1,4 +1,5 @@
-"""Adaptive speculation: the expected-token formula and the depth choices it drives."""
+"""Adaptive speculation: the expected-token formula and the draft shapes (depth and node count)
+it chooses from acceptance and a cost curve."""
 
 import pytest
 
@@ -15,12 +16,14 @@ def test_expected_tokens_matches_leviathan_for_constant_acceptance(a, k):
 def _run(ctrl: AdaptiveController, accept_prob: float, steps: int, verify_s, draft_s_per_depth: float):
     """Simulate steps with deterministic acceptance pattern and a cost model; return choices."""
     choices = []
+    chains = [(k, k + 1) for k in range(1, ctrl.max_depth + 1)]
     for i in range(steps):
-        k = ctrl.choose(lambda d: d + 1)
+        shape = ctrl.choose(chains)
+        k = shape[0]
         choices.append(k)
         # accepted count: expected fraction, deterministic
         accepted = int(k * accept_prob + 0.5) if accept_prob < 1 else k
-        ctrl.record(k, accepted, k + 1, verify_s(k + 1), draft_s_per_depth * k)
+        ctrl.record(shape, k, accepted, k + 1, verify_s(k + 1), draft_s_per_depth * k)
     return choices
 
 
@@ -49,3 +52,55 @@ def test_expensive_verify_prefers_short_drafts():
 def test_disabled_controller_always_uses_max_depth():
     ctrl = AdaptiveController(max_depth=3, enabled=False)
     assert _run(ctrl, 0.0, 10, lambda n: 1.0, 1.0) == [3] * 10
+
+
+def _simulate_shapes(curve: dict[int, float], a: float, steps: int = 120, draft_s: float = 0.001):
+    """An environment where a (k, n) draft yields the tokens of the controller's own tree model
+    at true acceptance ``a`` and an n-node forward costs ``0.03 * curve(n)`` seconds."""
+    shapes = [(k, n) for k in range(1, 6) for n in sorted({k + 1, 4, 8, 16}) if n >= k + 1]
+    shapes.remove((5, 16))
+    shapes.append((5, 16))
+    ctrl = AdaptiveController(max_depth=5, cost_curve=curve)
+    ref = AdaptiveController(max_depth=5, cost_curve=curve, prior_acceptance=a, prior_strength=1e9)
+    choices = []
+    for _ in range(steps):
+        k, n = shape = ctrl.choose(shapes)
+        choices.append(shape)
+        accepted = round(ref.tokens(shape)) - 1 if k else 0
+        ctrl.record(shape, k, accepted, n, 0.03 * ctrl._curve(n) if curve else 0.03 * n, draft_s * k)
+    return choices
+
+
+def test_flat_cost_curve_picks_big_trees():
+    # verification of up to 16 nodes costs what one token does (a memory-bound forward)
+    curve = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.6}
+    tail = _simulate_shapes(curve, a=0.5)[-30:]
+    assert sum(n >= 8 for _, n in tail) >= 25, tail
+
+
+def test_steep_cost_curve_picks_chains_or_small_trees():
+    # every node costs as much as a plain step (compute-bound): wide trees never pay
+    curve = {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 16.0}
+    tail = _simulate_shapes(curve, a=0.7)[-30:]
+    assert all(n <= 4 for _, n in tail), tail
+
+
+def test_curve_fills_in_sizes_not_yet_measured():
+    ctrl = AdaptiveController(max_depth=3, cost_curve={1: 1.0, 4: 1.2, 16: 2.0})
+    ctrl.record((0, 1), 0, 0, 1, 0.050, 0.0)
+    assert ctrl.verify_seconds(4) == pytest.approx(0.060)
+    assert ctrl.verify_seconds(10) == pytest.approx(0.050 * 1.6)
+    assert ctrl.verify_seconds(32) == pytest.approx(0.050 * (2.0 + 0.8 / 12 * 16))
+
+
+def test_generator_offers_chains_and_tree_budgets_with_the_fixed_shape_last():
+    from types import SimpleNamespace
+
+    from specfoundry.runtime import SpeculativeGenerator
+
+    tree = SimpleNamespace(default_depth=3, default_nodes=16)
+    shapes = SpeculativeGenerator(None, tree)._shapes(3)
+    assert shapes[-1] == (3, 16) and len(set(shapes)) == len(shapes)
+    assert {(1, 2), (2, 3), (3, 4), (1, 8), (2, 16)} <= set(shapes)
+    chain = SimpleNamespace(default_depth=4, default_nodes=5)
+    assert SpeculativeGenerator(None, chain)._shapes(4) == [(1, 2), (2, 3), (3, 4), (4, 5)]
