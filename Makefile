@@ -8,7 +8,7 @@ TARGET ?= smollm2-135m
 DRAFTER ?= ngram
 PYTEST_ARGS ?=
 
-.PHONY: venv train demo test test-slow test-gpu results clean export bench
+.PHONY: venv train demo test test-slow test-gpu results clean export bench bench-full
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -56,7 +56,20 @@ results: $(STAMP)
 # e.g. make bench RUN=runs/eagle3-smollm2-135m DATA=../shared/data/eval/spec_bench/question.jsonl BENCH_ARGS="--limit 10"
 DATA ?=
 BENCH_ARGS ?=
+# With nothing set it is a quick representative run (a few minutes): 1 prompt per built-in category,
+# T=0, 64 tokens, 1 thread; plain (engine) vs the HF path and HF generate, ngram, and the default
+# run's EAGLE-3 head (chain of 3 and adaptive shape) when runs/eagle3-smollm2-135m exists.
+comma := ,
+QUICK_RUN := $(wildcard runs/eagle3-smollm2-135m/speculator/config.json)
+QUICK_ARGS := --limit 1 --temperature 0 --max-new-tokens 64 --threads 1 --peers hf \
+	--methods plain,plain-hf,ngram:chain@3,ngram:adaptive$(if $(QUICK_RUN),$(comma)eagle3:chain@3$(comma)eagle3:adaptive) \
+	$(if $(QUICK_RUN),--run runs/eagle3-smollm2-135m)
 bench: $(STAMP)
+	$(BIN)/specfoundry bench --target $(TARGET) $(foreach r,$(RUN),--run $(r)) $(foreach d,$(DATA),--data $(d)) \
+		$(if $(RUN)$(DATA)$(BENCH_ARGS),$(BENCH_ARGS),$(QUICK_ARGS))
+
+# The full default pass (built-in prompts 6 categories x 8, every method, T=0 and T=1): hours on 2 cores.
+bench-full: $(STAMP)
 	$(BIN)/specfoundry bench --target $(TARGET) $(foreach r,$(RUN),--run $(r)) $(foreach d,$(DATA),--data $(d)) $(BENCH_ARGS)
 
 clean:
