@@ -62,23 +62,37 @@ class Draft:
         return Draft.chain(root, root.new_zeros(root.shape[0], 0))
 
 
+def _jumps(n: int) -> int:
+    """Pointer-jumping rounds that cover any path in an ``n``-node tree."""
+    return max(1, (n - 1).bit_length())
+
+
 def tree_depths(parents: torch.Tensor) -> torch.Tensor:
-    """Depth of every node (root 0) for ``parents`` ``[B, N]`` in topological order."""
-    B, N = parents.shape
-    depths = torch.zeros(B, N, dtype=torch.long, device=parents.device)
-    for i in range(1, N):
-        depths[:, i] = depths.gather(1, parents[:, i : i + 1].clamp(min=0)).squeeze(1) + 1
-    return depths
+    """Depth of every node (root 0) for ``parents`` ``[B, N]`` in topological order.
+
+    Pointer jumping (Wyllie's list ranking): ``log2 N`` vectorised rounds, not a loop over nodes.
+    """
+    depth = (parents >= 0).long()
+    up = parents.clone()
+    for _ in range(_jumps(parents.shape[1])):
+        has = up >= 0
+        idx = up.clamp(min=0)
+        depth = depth + torch.where(has, depth.gather(1, idx), 0)
+        up = torch.where(has, up.gather(1, idx), up)
+    return depth
 
 
 def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
-    """``[B, N, N]`` bool: ``m[b, i, j]`` is True when j is i or an ancestor of i."""
+    """``[B, N, N]`` bool: ``m[b, i, j]`` is True when j is i or an ancestor of i (the tree
+    attention mask of one verification forward). Transitive closure by ``log2 N`` squarings."""
     B, N = parents.shape
-    anc = torch.eye(N, dtype=torch.bool, device=parents.device).expand(B, N, N).clone()
-    for i in range(1, N):
-        p = parents[:, i].clamp(min=0)
-        anc[:, i] |= anc[torch.arange(B, device=parents.device), p]
-    return anc
+    eye = torch.eye(N, dtype=torch.bool, device=parents.device).expand(B, N, N)
+    step = torch.zeros(B, N, N + 1, dtype=torch.bool, device=parents.device)
+    step.scatter_(2, torch.where(parents >= 0, parents, N).unsqueeze(-1), True)
+    reach = (eye | step[..., :N]).float()  # self and parent
+    for _ in range(_jumps(N)):
+        reach = (reach @ reach).clamp_(max=1.0)
+    return reach.bool()
 
 
 def tree_attention_mask(parents: torch.Tensor) -> torch.Tensor:

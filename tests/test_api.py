@@ -103,3 +103,27 @@ def test_cli_bad_drafter_is_one_clear_line(smollm2, capsys):
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]
     assert code == 2 and last.startswith("specfoundry: error: unknown drafter") and "Traceback" not in err
+
+
+def test_incremental_detokenizer_equals_whole_decode_and_holds_split_characters(smollm2):
+    """Streaming decodes a window per step, never the whole output; its deltas add up to the
+    whole decode, and a character split over byte tokens is held back until it is complete."""
+    from specfoundry.runtime.generator import IncrementalDetokenizer
+
+    text = "Caches 🦀 are fast — naïve KV copies are O(n²). 日本語のテキスト! def f(x):\n    return x"
+    ids = smollm2.tokenizer(text)["input_ids"]
+    calls = []
+
+    def decode(chunk):
+        calls.append(len(chunk))
+        return smollm2.decode(chunk)
+
+    detok = IncrementalDetokenizer(decode)
+    deltas = [detok.push([i]) for i in ids] + [detok.flush()]
+    assert "".join(deltas) == smollm2.decode(ids)
+    assert not any("\ufffd" in d for d in deltas)
+    crab = smollm2.tokenizer("🦀")["input_ids"]
+    assert len(crab) == 3, "the test needs a character spread over several byte tokens"
+    held = IncrementalDetokenizer(smollm2.decode)
+    assert [held.push([i]) for i in crab] == ["", "", "🦀"]
+    assert max(calls) < 12, "each step decodes a short window"

@@ -363,3 +363,23 @@ def test_path_helper_matches_tree_path_to():
     depths = tree_depths(parents)
     node = torch.randint(0, N, (B,), generator=g)
     assert torch.equal(_path(parents, depths, node, int(depths.max())), path_to(parents, node))
+
+
+def test_vectorised_tree_bookkeeping_matches_a_node_loop():
+    from specfoundry.runtime.tree import ancestor_matrix, tree_depths
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3, 7, 16, 33, 64):
+        parents = torch.tensor([[-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+                                for _ in range(3)])
+        depths = [[0] * n for _ in range(3)]
+        anc = torch.zeros(3, n, n, dtype=torch.bool)
+        for b in range(3):
+            for i in range(n):
+                j = i
+                while j >= 0:
+                    anc[b, i, j] = True
+                    j = int(parents[b, j])
+                depths[b][i] = int(anc[b, i].sum()) - 1
+        assert torch.equal(tree_depths(parents), torch.tensor(depths))
+        assert torch.equal(ancestor_matrix(parents), anc)
