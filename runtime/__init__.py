@@ -9,16 +9,18 @@ or ``specfoundry.export``.
     out = gen.generate(messages=[{"role": "user", "content": "..."}], max_new_tokens=128)
 """
 
+from .engine import EngineTarget, StaticKVCache
 from .drafters import DraftContext, Drafter, available_drafters, load_drafter, register_drafter
 from .generator import GenerationOutput, GenerationStats, SpeculativeGenerator, StreamChunk
-from .models import DEFAULT_TARGET, load_target
+from .models import DEFAULT_TARGET, load_target, wrap_target
 from .sampling import SamplingParams, probs_from_logits
 from .target import KVCache, TargetModel, TargetOutput
 from .tree import Draft
 from .verify import VerifyResult, verify
 
 __all__ = [
-    "DEFAULT_TARGET", "Draft", "DraftContext", "Drafter", "GenerationOutput", "GenerationStats", "KVCache",
-    "SamplingParams", "SpeculativeGenerator", "StreamChunk", "TargetModel", "TargetOutput", "VerifyResult",
+    "DEFAULT_TARGET", "Draft", "DraftContext", "Drafter", "EngineTarget", "GenerationOutput", "GenerationStats", "KVCache",
+    "SamplingParams", "SpeculativeGenerator", "StaticKVCache", "StreamChunk", "TargetModel", "TargetOutput", "VerifyResult",
     "available_drafters", "load_drafter", "load_target", "probs_from_logits", "register_drafter", "verify",
+    "wrap_target",
 ]
