@@ -49,6 +49,26 @@ class _Ema:
         self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
 
 
+class AcceptanceTally:
+    """Per-depth conditional acceptance counts: ``tried[d]`` steps drafted depth d with depth d-1
+    accepted, ``passed[d]`` of them accepted depth d."""
+
+    def __init__(self, max_depth: int):
+        self.tried = [0] * (max_depth + 1)
+        self.passed = [0] * (max_depth + 1)
+
+    def record(self, depth_drafted: int, accepted: int) -> None:
+        for d in range(1, min(depth_drafted, len(self.tried) - 1) + 1):
+            if d - 1 > accepted:
+                break
+            self.tried[d] += 1
+            self.passed[d] += int(accepted >= d)
+
+    def observed(self) -> list[float]:
+        """Measured conditional acceptance per depth (0.0 where never tried)."""
+        return [p / t if t else 0.0 for p, t in zip(self.passed[1:], self.tried[1:])]
+
+
 class AdaptiveController:
     def __init__(self, max_depth: int, enabled: bool = True, probe_every: int = 8, warmup: int = 4,
                  prior_acceptance: float = 0.5, prior_strength: float = 2.0,
@@ -59,8 +79,7 @@ class AdaptiveController:
         self.warmup = warmup
         self.prior = (prior_acceptance * prior_strength, prior_strength)
         self.cost_curve = dict(sorted((cost_curve or {}).items()))  # forward size -> relative cost
-        self.tried = [0] * (max_depth + 1)  # tried[d]: steps where depth d was drafted and d-1 reached
-        self.passed = [0] * (max_depth + 1)
+        self.tally = AcceptanceTally(max_depth)
         self.verify_cost: dict[int, _Ema] = {}  # forward size -> seconds
         self.draft_cost: dict[Shape, _Ema] = {}  # shape -> seconds
         self.shape_tokens: dict[Shape, list[float]] = {}  # shape -> [steps, tokens]
@@ -70,11 +89,8 @@ class AdaptiveController:
     # -- estimates -------------------------------------------------------------------
     def acceptance(self) -> list[float]:
         a0, n0 = self.prior
-        return [(a0 + self.passed[d]) / (n0 + self.tried[d]) for d in range(1, self.max_depth + 1)]
-
-    def observed_acceptance(self) -> list[float]:
-        """Measured conditional acceptance per depth (no prior; 0.0 where never tried)."""
-        return [self.passed[d] / self.tried[d] if self.tried[d] else 0.0 for d in range(1, self.max_depth + 1)]
+        t = self.tally
+        return [(a0 + t.passed[d]) / (n0 + t.tried[d]) for d in range(1, self.max_depth + 1)]
 
     def _curve(self, n: int) -> float | None:
         """Relative cost of an ``n``-node forward, interpolated in the measured curve."""
@@ -138,6 +154,11 @@ class AdaptiveController:
         return self.tokens(shape) / (verify + self.draft_seconds(shape))
 
     # -- decisions -------------------------------------------------------------------
+    def new_request(self) -> None:
+        """A new prompt: acceptance depends on it, so the first step that would go plain probes
+        speculation instead (a controller reused across requests keeps its measurements)."""
+        self.plain_streak = max(self.plain_streak, self.probe_every - 1)
+
     def choose(self, shapes: list[Shape]) -> Shape:
         """The shape for the next step among ``shapes`` (the last one is the largest, used when
         the controller is disabled or still warming up)."""
@@ -164,11 +185,7 @@ class AdaptiveController:
 
     def record(self, shape: Shape, depth_drafted: int, accepted: int, forward_size: int, verify_s: float,
                draft_s: float) -> None:
-        for d in range(1, depth_drafted + 1):
-            if d - 1 > accepted:
-                break
-            self.tried[d] += 1
-            self.passed[d] += int(accepted >= d)
+        self.tally.record(depth_drafted, accepted)
         self.verify_cost.setdefault(forward_size, _Ema()).update(verify_s)
         if shape[0]:
             self.draft_cost.setdefault(shape, _Ema()).update(draft_s)

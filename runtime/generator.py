@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from .adaptive import AdaptiveController
+from .adaptive import AcceptanceTally, AdaptiveController
 from .drafters.base import DraftContext, Drafter
 from .sampling import SamplingParams
 from .target import TargetModel
@@ -110,6 +110,7 @@ class SpeculativeGenerator:
         self.max_depth = max_depth if max_depth is not None else (drafter.default_depth if drafter else 0)
         self.max_nodes = max_nodes if max_nodes is not None else (drafter.default_nodes if drafter else 1)
         self.adaptive = adaptive
+        self._control: AdaptiveController | None = None
 
     # -- public API --------------------------------------------------------------------
     def generate(self, messages: list[dict] | None = None, *, prompt: str | None = None,
@@ -165,8 +166,16 @@ class SpeculativeGenerator:
         feature_layers = tuple(drafter.feature_layers) if drafter else ()
         max_depth = self.max_depth if drafter else 0
         adaptive = self.adaptive and drafter is not None
-        curve = getattr(target, "cost_curve", None) if adaptive else None
-        control = AdaptiveController(max_depth, enabled=adaptive, cost_curve=curve() if curve else None)
+        if adaptive:
+            # one controller per generator: what it measured (acceptance, costs) carries over requests
+            if self._control is None or self._control.max_depth != max_depth:
+                curve = getattr(target, "cost_curve", None)
+                self._control = AdaptiveController(max_depth, cost_curve=curve() if curve else None)
+            control = self._control
+            control.new_request()
+        else:
+            control = AdaptiveController(max_depth, enabled=False)
+        tally = AcceptanceTally(max_depth)  # this request's own acceptance figures
         shapes = self._shapes(max_depth)
         stats = GenerationStats()
 
@@ -214,6 +223,7 @@ class SpeculativeGenerator:
             n_acc = int(res.accept_len[0])
             depth_drafted = int(depths.max()) if n_drafted else 0
             control.record(shape, depth_drafted, n_acc, draft.num_nodes, t2 - t1, (t1 - t0) + (t3 - t2))
+            tally.record(depth_drafted, n_acc)
             stats.target_forwards += 1
             stats.drafted += n_drafted
             stats.accepted += n_acc
@@ -235,7 +245,7 @@ class SpeculativeGenerator:
             stats.new_tokens = len(emitted)
             stats.seconds = time.perf_counter() - t_start
             stats.tau = stats.new_tokens / stats.target_forwards
-            stats.acceptance_by_position = control.observed_acceptance()
+            stats.acceptance_by_position = tally.observed()
             delta = detok.push(step_tokens) if detok is not None else ""
             last = done or len(emitted) >= max_new_tokens
             if last and detok is not None:

@@ -104,3 +104,14 @@ def test_generator_offers_chains_and_tree_budgets_with_the_fixed_shape_last():
     assert {(1, 2), (2, 3), (3, 4), (1, 8), (2, 16)} <= set(shapes)
     chain = SimpleNamespace(default_depth=4, default_nodes=5)
     assert SpeculativeGenerator(None, chain)._shapes(4) == [(1, 2), (2, 3), (3, 4), (4, 5)]
+
+
+def test_a_new_request_probes_speculation_even_when_plain_was_winning():
+    ctrl = AdaptiveController(max_depth=3, probe_every=8)
+    chains = [(1, 2), (2, 3), (3, 4)]
+    for _ in range(30):  # useless drafts: the controller settles on plain decoding
+        shape = ctrl.choose(chains)
+        ctrl.record(shape, shape[0], 0, shape[0] + 1, 0.04 * (shape[0] + 1), 0.01 * shape[0])
+    assert ctrl.choose(chains) == (0, 1)
+    ctrl.new_request()
+    assert ctrl.choose(chains)[0] > 0
