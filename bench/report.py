@@ -144,6 +144,13 @@ def summarize_rows(recs: list[dict], depth: int | None) -> dict:
            "failures": status.count("FAIL"), "differs": status.count("differs"),
            "checked": sum(s not in ("n/a", None) for s in status)}
     row.update(predictions(acc, tried, passed, depth, cost))
+    # the per-step split (ms per target forward): drafting, verification (target forward + verify +
+    # commit), and everything else in the loop (bookkeeping, sampling, detokenisation)
+    pre, wall = _sum(recs, "prefill_seconds"), _sum(recs, "seconds")
+    row["step_ms"] = None
+    if fwd and dsec is not None and vsec is not None and pre is not None:
+        row["step_ms"] = {"draft": 1000 * dsec / fwd, "verify": 1000 * vsec / fwd,
+                          "other": 1000 * max(wall - pre - dsec - vsec, 0.0) / fwd, "prefill_s": pre / len(recs)}
     return row
 
 
@@ -270,6 +277,13 @@ def to_markdown(report: dict) -> str:
                      f"{_f(row['tau'])} | {_f(row['expected_tau'])} | {lev} | {kk} | "
                      f"{_acc(row)} | {_f(row['drafted'], '{}')} / {_f(row['accepted'], '{}')} | "
                      f"{_f(row['target_forwards'], '{}')} | {_check_cell(row)} |")
+        split = {n: r["step_ms"] for n, r in block["overall"].items() if r.get("step_ms")}
+        if split:
+            L += ["", f"### {tkey}: per-step split (ms per target forward; prefill s per prompt)", "",
+                  "| method | draft | verify | other | step | prefill |", "|---|---|---|---|---|---|"]
+            for n, sp in split.items():
+                L.append(f"| `{n}` | {sp['draft']:.1f} | {sp['verify']:.1f} | {sp['other']:.1f} | "
+                         f"{sp['draft'] + sp['verify'] + sp['other']:.1f} | {sp['prefill_s']:.2f} |")
         cats = list(block["by_category"])
         names = list(block["overall"])
         L += ["", f"### {tkey}: speed-up (tau) by category", "",

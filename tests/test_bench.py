@@ -185,10 +185,15 @@ def test_tiny_bench_run_writes_valid_report_markdown_and_plots(tiny_dir, tmp_pat
                 assert sum(row["passed"]) == row["accepted"] and row["drafted"] >= row["accepted"]
                 assert row["tau"] == pytest.approx(row["new_tokens"] / row["target_forwards"])
                 assert row["expected_tau"] is not None and row["leviathan_tau"] is not None
+                sp = row["step_ms"]  # the per-step split adds up to at most the wall clock per forward
+                assert sp["verify"] > 0 and sp["draft"] > 0 and sp["other"] >= 0
+                per_fwd = sum(r["seconds"] - r["prefill_seconds"] for r in report["records"]
+                              if r["method"] == name and f"T={r['temperature']:g}" == tkey) * 1000 / row["target_forwards"]
+                assert sp["draft"] + sp["verify"] + sp["other"] == pytest.approx(per_fwd)
     assert report["summary"]["T=0"]["overall"]["plain"]["tau"] == 1.0
     md = (out / "report.md").read_text()
     assert "## T=0: overall" in md and "## T=1: overall" in md and "speed-up (tau) by category" in md
-    assert "builtin:conversation" in md and "Leviathan" in md and FAIL_MARK not in md
+    assert "builtin:conversation" in md and "Leviathan" in md and FAIL_MARK not in md and "per-step split" in md
     assert report["environment"]["git_commit"] and report["environment"]["torch"] == torch.__version__
     pngs = sorted(out.glob("*.png"))
     assert [p.name for p in pngs] == ["acceptance_by_position.png", "speedup_by_category.png", "tau_vs_draft_length.png"]
