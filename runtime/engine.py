@@ -163,6 +163,21 @@ class MaskBuffer:
             mask[..., mask.shape[-1] - k:] = True
 
 
+def padded_mask(valid: torch.Tensor, block: torch.Tensor | None, n: int, past: int, groups: int) -> torch.Tensor:
+    """Bool ``[B, 1, g*n, past+n]`` for left-padded batches: column ``j`` is visible where
+    ``valid[b, j]`` (a real token) and, over the last ``k`` columns, where ``block`` allows (None =
+    causal among the ``n`` new tokens). Every query also sees itself, so a padding position never
+    has a fully masked row (whose NaN would reach the cache)."""
+    B, cols = valid.shape
+    if block is None:
+        block = torch.ones(n, n, dtype=torch.bool, device=valid.device).tril()
+    k = block.shape[-1]
+    m = valid[:, None, :].expand(B, n, cols).clone()
+    m[:, :, cols - k:] &= block.to(valid.device).expand(B, n, k)
+    m[:, :, past:] |= torch.eye(n, dtype=torch.bool, device=valid.device)
+    return m.repeat(1, groups, 1).unsqueeze(1)
+
+
 class StaticKVCache:
     """Preallocated KV ``[layers, 2, batch, kv_heads, capacity, head_dim]`` for ``batch``
     sequences of equal committed length.
@@ -183,6 +198,13 @@ class StaticKVCache:
     @torch.inference_mode()
     def _empty(self, capacity: int, dtype, device) -> torch.Tensor:
         return torch.zeros(*self.shape[:4], capacity, self.shape[5], dtype=dtype, device=device)
+
+    @torch.inference_mode()
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the sequences ``rows`` (e.g. drop finished ones from a batch): one copy of them."""
+        self.kv = self.kv[:, :, rows.to(self.kv.device)].contiguous()
+        self.batch = self.kv.shape[2]
+        self.shape = (*self.shape[:2], self.batch, *self.shape[3:])
 
     def rebatch(self, batch: int) -> None:
         """Reallocate an empty cache for ``batch`` sequences."""
@@ -394,8 +416,9 @@ class LlamaEngine:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: StaticKVCache, position_ids: torch.Tensor,
                 tree_mask: torch.Tensor | None = None, feature_layers: tuple[int, ...] = (),
-                logits_for: torch.Tensor | None = None) -> TargetOutput:
-        """Same contract as :meth:`TargetModel.forward` (``position_ids`` required)."""
+                logits_for: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> TargetOutput:
+        """Same contract as :meth:`TargetModel.forward` (``position_ids`` required). ``valid``
+        (bool ``[B, past+n]``, False at left padding) is for batched generation of unequal prompts."""
         cache.check_ready()
         B, n = input_ids.shape
         if B != cache.batch:
@@ -406,7 +429,10 @@ class LlamaEngine:
         past = cache.length
         hq, hkv, D = self.hq, self.hkv, self.head_dim
         cos, sin = self._rope(position_ids.to(self.device))
-        mask = self.masks.get(tree_mask, B, n, past)
+        if valid is None:
+            mask = self.masks.get(tree_mask, B, n, past)
+        else:
+            mask = padded_mask(valid.to(self.device), tree_mask, n, past, self.groups)
         kv = cache.kv
         kernel = self.kernels[0] if B * n == 1 else self.kernels[1]
         lin, sfx = KERNELS[kernel][1], "@" + kernel
@@ -428,7 +454,8 @@ class LlamaEngine:
             h = self._norm(x, w["ln2"])
             gate, up = lin(h, w["w_gu" + sfx]).chunk(2, dim=-1)
             x = x + lin(F.silu(gate) * up, w["w_down" + sfx])
-        self.masks.release(mask, n if tree_mask is None else tree_mask.shape[-1])
+        if valid is None:
+            self.masks.release(mask, n if tree_mask is None else tree_mask.shape[-1])
         cache.mark_appended(n)
         x = self._norm(x, self.final_norm)
         if self.num_layers in want:

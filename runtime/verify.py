@@ -163,6 +163,9 @@ def verify_sampling_chain(draft: Draft, target_probs: torch.Tensor,
     B, N = draft.tokens.shape
     k, V = N - 1, target_probs.shape[-1]
     p = target_probs
+    if k == 0:  # a plain step: nothing to accept, the same single draw as the general path below
+        zeros = torch.zeros(B, dtype=torch.long, device=p.device)
+        return VerifyResult(zeros, zeros.view(B, 1), sample(p[:, 0], generator))
     x = draft.tokens[:, 1:]
     px = p[:, :-1].gather(-1, x.unsqueeze(-1)).squeeze(-1)  # p_{i-1}(x_i), [B, k]
     if draft.q is None:

@@ -89,6 +89,23 @@ def model_in_dtype(target, dtype) -> torch.nn.Module:
     return cache[dtype]
 
 
+def generation_model(target, dtype):
+    """What batched generation runs in ``dtype``: the runtime's engine
+    (:class:`~specfoundry.runtime.engine.LlamaEngine`) when the target decodes on it (the target's
+    own engine when the dtype matches, else one over the cast copy), otherwise the HF model."""
+    from specfoundry.runtime.engine import LlamaEngine
+
+    model = model_in_dtype(target, dtype)
+    if getattr(target, "backend", "hf") != "engine":
+        return model
+    if model is target.model:
+        return target._engine()
+    eng = model.__dict__.get("_specfoundry_engine")
+    if eng is None:
+        eng = model.__dict__["_specfoundry_engine"] = LlamaEngine(model)
+    return eng
+
+
 # ---------------------------------------------------------------------------------------------
 # batched generation
 # ---------------------------------------------------------------------------------------------
@@ -169,7 +186,10 @@ def _generate_one_batch(model, prompts: list[list[int]], *, max_new_tokens: int,
                         generator: torch.Generator | None) -> tuple[list[list[int]], list[bool]]:
     from transformers import DynamicCache
 
-    dev = next(model.parameters()).device
+    from specfoundry.runtime.engine import LlamaEngine
+
+    engine = model if isinstance(model, LlamaEngine) else None
+    dev = engine.device if engine is not None else next(model.parameters()).device
     B = len(prompts)
     S = max(len(p) for p in prompts)
     ids = torch.full((B, S), pad_id, dtype=torch.long)
@@ -180,13 +200,26 @@ def _generate_one_batch(model, prompts: list[list[int]], *, max_new_tokens: int,
     ids, mask = ids.to(dev), mask.to(dev)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     stop = torch.tensor(sorted(set(int(s) for s in stop_ids)), dtype=torch.long, device=dev)
-    cache = DynamicCache(config=model.config)
-    # the LM head on the last prompt position only (over the whole prompt it would cost as much as
-    # several layers), applied to a contiguous [B, H] matrix: HF's logits_to_keep=1 hands it a
-    # strided [B, 1, H] view that CPU bf16 runs as a batched matmul over B copies of the weight
-    # (measured: 2.7 GB copied per batch of 48, ~1.7 s)
-    out = model.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
-    logits = model.lm_head(out.last_hidden_state[:, -1].contiguous())
+    if engine is not None:
+        # the engine: a static cache written in place, padding masked per row
+        cache = engine.new_cache(batch=B, capacity=S + max_new_tokens)
+
+        def forward(x, m, p):
+            out = engine.forward(x, cache, p, valid=m.bool(), logits_for=torch.tensor([x.shape[1] - 1]))
+            cache.commit()
+            return out.logits[:, -1]
+    else:
+        cache = DynamicCache(config=model.config)
+
+        def forward(x, m, p):
+            # the LM head on the last position only (over the whole prompt it would cost as much as
+            # several layers), applied to a contiguous [B, H] matrix: HF's logits_to_keep=1 hands it
+            # a strided [B, 1, H] view that CPU bf16 runs as a batched matmul over B copies of the
+            # weight (measured: 2.7 GB copied per batch of 48, ~1.7 s)
+            out = model.model(input_ids=x, attention_mask=m, position_ids=p, cache=cache, use_cache=True)
+            return model.lm_head(out.last_hidden_state[:, -1].contiguous())
+
+    logits = forward(ids, mask, pos)
     next_pos = pos[:, -1] + 1
     active = torch.arange(B, device=dev)
     gen: list[list[int]] = [[] for _ in range(B)]
@@ -208,12 +241,13 @@ def _generate_one_batch(model, prompts: list[list[int]], *, max_new_tokens: int,
         if bool(done.any()):
             # drop finished rows: later steps only pay for sequences still generating
             keep = (~done).nonzero().squeeze(1)
-            cache.batch_select_indices(keep)
+            if engine is not None:
+                cache.select_rows(keep)
+            else:
+                cache.batch_select_indices(keep)
             mask, tok, next_pos, active = mask[keep], tok[keep], next_pos[keep], active[keep]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        out = model.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                          cache=cache, use_cache=True)
-        logits = model.lm_head(out.last_hidden_state[:, -1].contiguous())
+        logits = forward(tok[:, None], mask, next_pos[:, None])
         next_pos = next_pos + 1
     return gen, finished
 
@@ -224,6 +258,8 @@ def generate_batched(model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
                      stats: GenStats | None = None) -> tuple[list[list[int]], list[bool]]:
     """Continue each token-id prompt; returns ``(new_ids, finished)`` in input order.
 
+    ``model``: a :class:`~specfoundry.runtime.engine.LlamaEngine` (see :func:`generation_model`)
+    or a HF causal LM.
     ``new_ids[i]`` includes the stop token when one was produced (``finished[i]`` True). Prompts
     are sorted by length before batching so left padding wastes little; sampling uses one
     ``torch.Generator`` seeded with ``seed``, so a call is reproducible for the same inputs.
@@ -235,7 +271,10 @@ def generate_batched(model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: every prompt needs at least one token")
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
-    g = torch.Generator(device=next(model.parameters()).device).manual_seed(int(seed)) if temperature > 0 else None
+    from specfoundry.runtime.engine import LlamaEngine
+
+    dev = model.device if isinstance(model, LlamaEngine) else next(model.parameters()).device
+    g = torch.Generator(device=dev).manual_seed(int(seed)) if temperature > 0 else None
     results: list[list[int] | None] = [None] * len(prompts)
     fin: list[bool] = [False] * len(prompts)
     local = GenStats()
@@ -478,7 +517,7 @@ def self_distill(prompts: Sequence[str], target, *, responses_cfg: dict | None =
         raise ValueError(f"unknown responses_cfg keys {sorted(unknown)}; known: {sorted(DEFAULT_RESPONSES)}")
     gen_dtype = resolve_dtype(cfg["dtype"]) or target.dtype
     chat = ChatFormat(target)
-    model = model_in_dtype(target, gen_dtype)
+    model = generation_model(target, gen_dtype)
     stop = chat.assistant_stop_ids
     key_base = _responses_key_base(target, cfg, seed)
     report = report if report is not None else ChunkReport()

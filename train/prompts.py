@@ -292,7 +292,7 @@ def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = N
     # imported here: data.py imports this module (build_dataset -> load_prompts)
     from . import data as _data
     from .data import ChatFormat, ChunkReport, GenStats, cached_chunks, dtype_name, model_fingerprint, \
-        model_in_dtype, resolve_dtype, stable_hash
+        generation_model, resolve_dtype, stable_hash
 
     cfg = {**MAGPIE_DEFAULTS, **cfg, "count": count}
     unknown = set(cfg) - set(MAGPIE_DEFAULTS)
@@ -300,7 +300,7 @@ def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = N
         raise ValueError(f"unknown magpie options {sorted(unknown)}; known: {sorted(MAGPIE_DEFAULTS)}")
     chat = ChatFormat(target)
     gen_dtype = resolve_dtype(cfg["dtype"]) or target.dtype
-    model = model_in_dtype(target, gen_dtype)
+    model = generation_model(target, gen_dtype)
     topic_list = _load_topics(cfg["topics"])
     stop = chat.user_stop_ids
     # everything that changes a round's output is in the key; `count` is not, so asking for more
