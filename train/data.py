@@ -207,7 +207,7 @@ def _generate_one_batch(model, prompts: list[list[int]], *, max_new_tokens: int,
         def forward(x, m, p):
             out = engine.forward(x, cache, p, valid=m.bool(), logits_for=torch.tensor([x.shape[1] - 1]))
             cache.commit()
-            return out.logits[:, -1]
+            return out.logits[:, -1].clone()  # a normal tensor: the sampler edits it in place
     else:
         cache = DynamicCache(config=model.config)
 
