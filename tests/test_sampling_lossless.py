@@ -81,6 +81,13 @@ def _cases(target):
     if "eagle3" in available_drafters():
         cases.append(("eagle3 dynamic tree T=1", load_drafter("eagle3", target=target, top_k=2, depth=2),
                       dict(max_depth=2, max_nodes=7), SamplingParams(1.0)))
+        # a reduced, permuted draft vocabulary: drafts are drawn over it and q mapped into the target's
+        from specfoundry.runtime.drafters.eagle import Eagle3Drafter
+        from specfoundry.runtime.speculators import Eagle3Head
+
+        head = Eagle3Head.from_target(target, draft_token_ids=[4, 1, 3])
+        cases.append(("eagle3 reduced vocab T=1", Eagle3Drafter(head, top_k=2, depth=2),
+                      dict(max_depth=2, max_nodes=6), SamplingParams(1.0)))
     if "medusa" in available_drafters():
         cases.append(("medusa static tree T=0.8 top-p 0.95", load_drafter("medusa", target=target),
                       dict(max_depth=2, max_nodes=6), SamplingParams(0.8, top_p=0.95)))
@@ -88,7 +95,7 @@ def _cases(target):
 
 
 CASE_NAMES = ["draft-chain T=1", "draft-chain T=0.7 top-p 0.9", "ngram deterministic T=1.3 top-k 4",
-              "eagle3 dynamic tree T=1", "medusa static tree T=0.8 top-p 0.95"]
+              "eagle3 dynamic tree T=1", "eagle3 reduced vocab T=1", "medusa static tree T=0.8 top-p 0.95"]
 
 
 @pytest.mark.parametrize("case", CASE_NAMES)

@@ -210,9 +210,10 @@ class EagleDrafter(Drafter):
         front_logP = torch.zeros(1, dtype=torch.float64, device=dev)
         front_rows = torch.zeros(1, 0, dtype=torch.bool, device=dev)
         for d in range(1, depth + 1):
+            # drawn in the draft vocabulary (2k rows, not the target's 49k); q is mapped into the
+            # target vocabulary once, for the finished tree
             q = probs_from_logits(head.compute_logits(front_h), ctx.sampling)  # [m, Vd]
-            if d2t is not None:  # map the draft vocabulary into the target's
-                q = q.new_zeros(q.shape[0], V).index_copy_(1, d2t, q)
+            Vq = q.shape[-1]
             m = q.shape[0]
             # decide every node's child count before drawing any of them
             level = math.ceil(remaining / (depth - d + 1))
@@ -228,7 +229,7 @@ class EagleDrafter(Drafter):
             # draw siblings in rank order, without replacement
             cur = q.clone()
             drawn_tok = torch.zeros(m, kk, dtype=torch.long, device=dev)
-            drawn_q = q.new_zeros(m, kk, V)
+            drawn_q = q.new_zeros(m, kk, Vq)
             for j in range(int(counts.max()) if m else 0):
                 act = (counts > j).nonzero().view(-1)
                 cur_a = cur[act] / cur[act].sum(-1, keepdim=True)
@@ -238,11 +239,12 @@ class EagleDrafter(Drafter):
                 cur[act, t] = 0
             valid = torch.arange(kk, device=dev)[None, :] < counts[:, None]  # row-major = parent, rank
             rows_i, cols_j = valid.nonzero(as_tuple=True)
-            child_tok = drawn_tok[rows_i, cols_j]
+            child_draft = drawn_tok[rows_i, cols_j]  # draft-vocabulary ids
+            child_tok = child_draft if d2t is None else d2t[child_draft]
             tokens.append(child_tok)
             parents.append(front_idx[rows_i])
             qs.append(drawn_q[rows_i, cols_j])
-            child_logP = front_logP[rows_i] + q[rows_i, child_tok].double().clamp_min(1e-300).log()
+            child_logP = front_logP[rows_i] + q[rows_i, child_draft].double().clamp_min(1e-300).log()
             logP.append(child_logP)
             n_new = child_tok.shape[0]
             child_idx = n_nodes + torch.arange(n_new, device=dev)
@@ -259,7 +261,10 @@ class EagleDrafter(Drafter):
             front_idx, front_logP = child_idx[sel], child_logP[sel]
         tok = torch.cat(tokens)
         keep = torch.arange(tok.shape[0], device=dev)
-        return _subtree(root, tok, torch.cat(parents), keep, torch.cat(qs))
+        q_all = torch.cat(qs)
+        if d2t is not None:  # into the target vocabulary, where verification compares it with p
+            q_all = q_all.new_zeros(q_all.shape[0], V).index_copy_(1, d2t, q_all)
+        return _subtree(root, tok, torch.cat(parents), keep, q_all)
 
 
 def _subtree(root: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, keep: torch.Tensor,
