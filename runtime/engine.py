@@ -495,6 +495,7 @@ class EngineTarget(TargetModel):
             import time
 
             gen = torch.Generator().manual_seed(0)
+            sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
             cache = self.new_cache(capacity=past + max(sizes))
             self.forward(torch.randint(0, self.vocab_size, (1, past), generator=gen), cache)
             cache.commit()
@@ -503,8 +504,10 @@ class EngineTarget(TargetModel):
                 ids = torch.randint(0, self.vocab_size, (1, n), generator=gen)
                 best = float("inf")
                 for _ in range(reps):
+                    sync()
                     t0 = time.perf_counter()
                     self.forward(ids, cache)
+                    sync()  # CUDA launches are asynchronous: time the work, not the launch
                     best = min(best, time.perf_counter() - t0)
                     cache.rollback()
                 secs[n] = best

@@ -331,3 +331,10 @@ def test_engine_matches_hf_on_smollm2(smollm2, dtype):
     for x, y in zip(outs[0][:3], outs[1][:3]):
         agree = (x.argmax(-1) == y.argmax(-1)).float().mean()
         assert agree >= (1.0 if dtype == torch.float32 else 0.97)
+
+
+def test_cost_curve_is_measured_once_per_thread_count():
+    t = tiny_llama(0)
+    curve = t.cost_curve(sizes=(1, 4, 16), past=32, reps=1)
+    assert set(curve) == {1, 4, 16} and curve[1] == 1.0 and all(v > 0 for v in curve.values())
+    assert t.cost_curve(sizes=(1, 4, 16), past=32, reps=1) == curve  # cached, not re-measured
