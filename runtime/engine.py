@@ -18,8 +18,15 @@ What makes it cheaper than the HF path on a CPU, where per-op overhead and copie
   n=1 step uses no mask at all;
 - grouped-query attention without repeating K/V: the ``g`` query heads that share a KV head are
   stacked as ``g * n`` query rows against that head (for n=1 a small GEMM instead of g GEMVs);
+- linear kernels chosen by measurement on the machine, per one-row and several-row products
+  (:data:`KERNELS`: oneDNN packed weights, transposed weights, ATen), prepared once; the
+  speculator heads reuse the choice (:class:`PreparedLinears`);
 - the forward returns only the feature layers a speculator asked for (HF numbering: ``i`` = input
-  of layer ``i``, ``L`` = the final normed state) and LM-head rows only where asked.
+  of layer ``i``, ``L`` = the final normed state) and LM-head rows only where asked;
+- left-padded batches (``valid``) for batched data generation, rows dropped as they finish.
+
+One concern (the decode-time forward and what it writes), kept whole at ~530 lines: the cache,
+masks, kernels and forward are read together when changing any of them.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import torch.nn.functional as F
 
 from .target import TargetModel, TargetOutput
 
-__all__ = ["EngineTarget", "LlamaEngine", "StaticKVCache", "engine_support"]
+__all__ = ["KERNELS", "EngineTarget", "LlamaEngine", "MaskBuffer", "PreparedLinears", "StaticKVCache", "attend",
+           "engine_support", "padded_mask", "rotate"]
 
 _MATRICES = ("wqkv", "wo", "w_gu", "w_down", "lm_head")
 _ARCHS = ("llama", "mistral", "qwen2", "qwen3")
