@@ -11,7 +11,6 @@ per row count; best of ``--reps``. Ratios within one run are what to read (the m
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
@@ -20,7 +19,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def kernel_table(engine, rows=(1, 2, 4, 8, 16, 32), reps: int = 3) -> dict[str, dict[int, float]]:
     """``{kernel: {rows: ms}}`` over all of ``engine``'s matrices (kernels this build lacks are left out)."""
-    from specfoundry.runtime.engine import _MATRICES, KERNELS
+    from specfoundry.runtime.engine import _MATRICES, KERNELS, best_seconds
 
     mats = [w[k] for w in engine._matrix_holders() for k in _MATRICES if k in w]
     out = {}
@@ -35,13 +34,7 @@ def kernel_table(engine, rows=(1, 2, 4, 8, 16, 32), reps: int = 3) -> dict[str, 
                 continue  # a one-row kernel
             xs = [torch.randn(n, m.shape[1], dtype=m.dtype) for m in mats]
             with torch.inference_mode():
-                [apply(x, p) for x, p in zip(xs, prepared)]
-                best = float("inf")
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    [apply(x, p) for x, p in zip(xs, prepared)]
-                    best = min(best, time.perf_counter() - t0)
-            out[name][n] = 1000 * best
+                out[name][n] = 1000 * best_seconds(lambda: [apply(x, p) for x, p in zip(xs, prepared)], reps)
         del prepared
     return out
 

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from specfoundry.runtime import SpeculativeGenerator, load_drafter
+from specfoundry.runtime.adaptive import AcceptanceTally
 from specfoundry.runtime.drafters.base import Drafter
 from specfoundry.runtime.drafters.draft import DraftModelDrafter, layer_subset_model
 from specfoundry.runtime.target import TargetModel
@@ -86,9 +87,17 @@ class RecordingDrafter(Drafter):
         self.reset()
 
     def reset(self) -> None:
-        self.tried: list[int] = []
-        self.passed: list[int] = []
+        self.tally = AcceptanceTally(0)
         self._depth = 0
+        self._deepest = 0  # deepest depth drafted: the length of tried/passed
+
+    @property
+    def tried(self) -> list[int]:
+        return self.tally.tried[1:self._deepest + 1]
+
+    @property
+    def passed(self) -> list[int]:
+        return self.tally.passed[1:self._deepest + 1]
 
     def begin(self, prompt_ids, features) -> None:
         self._depth = 0
@@ -100,15 +109,8 @@ class RecordingDrafter(Drafter):
         return draft
 
     def commit(self, new_tokens, features) -> None:
-        accepted = int(new_tokens.shape[1]) - 1
-        while len(self.tried) < self._depth:
-            self.tried.append(0)
-            self.passed.append(0)
-        for d in range(1, self._depth + 1):
-            if d - 1 > accepted:
-                break
-            self.tried[d - 1] += 1
-            self.passed[d - 1] += int(accepted >= d)
+        self.tally.record(self._depth, int(new_tokens.shape[1]) - 1)
+        self._deepest = max(self._deepest, self._depth)
         self._depth = 0
         self.inner.commit(new_tokens, features)
 

@@ -58,7 +58,11 @@ class AcceptanceTally:
         self.passed = [0] * (max_depth + 1)
 
     def record(self, depth_drafted: int, accepted: int) -> None:
-        for d in range(1, min(depth_drafted, len(self.tried) - 1) + 1):
+        grow = depth_drafted + 1 - len(self.tried)
+        if grow > 0:  # a deeper draft than planned for
+            self.tried += [0] * grow
+            self.passed += [0] * grow
+        for d in range(1, depth_drafted + 1):
             if d - 1 > accepted:
                 break
             self.tried[d] += 1

@@ -69,6 +69,24 @@ def engine_support(model) -> str | None:
     return None
 
 
+def best_seconds(fn, reps: int, device: torch.device | None = None, warm: bool = True) -> float:
+    """Best wall time of ``reps`` calls of ``fn`` (after one untimed call when ``warm``); CUDA is
+    synchronised around each call so the work, not the launch, is timed."""
+    import time
+
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
+    if warm:
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, None)
 
@@ -369,8 +387,6 @@ class LlamaEngine:
         """
         if self.device.type != "cpu":
             return ("aten", "aten")
-        import time
-
         mats = [self.lm_head] + [self.layers[0][k] for k in _MATRICES if k in self.layers[0]]
         candidates = {"aten": mats, "gemv_t": [KERNELS["gemv_t"][0](m) for m in mats]}
         try:
@@ -382,14 +398,7 @@ class LlamaEngine:
         def cost(name: str, rows: int) -> float:
             apply = KERNELS[name][1]
             xs = [torch.randn(rows, m.shape[1], dtype=self.dtype) for m in mats]
-            run = lambda: [apply(x, p) for x, p in zip(xs, candidates[name])]  # noqa: E731
-            run()
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - t0)
-            return min(times)
+            return best_seconds(lambda: [apply(x, p) for x, p in zip(xs, candidates[name])], reps)
 
         one = min(candidates, key=lambda k: cost(k, 1))
         several = min((k for k in candidates if k != "gemv_t"), key=lambda k: cost(k, 4))
@@ -500,25 +509,19 @@ class EngineTarget(TargetModel):
         curves = engine.__dict__.setdefault("curves", {})
         threads = torch.get_num_threads()
         if threads not in curves:
-            import time
-
             gen = torch.Generator().manual_seed(0)
-            sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
             cache = self.new_cache(capacity=past + max(sizes))
             self.forward(torch.randint(0, self.vocab_size, (1, past), generator=gen), cache)
             cache.commit()
             secs = {}
             for n in sizes:
                 ids = torch.randint(0, self.vocab_size, (1, n), generator=gen)
-                best = float("inf")
-                for _ in range(reps):
-                    sync()
-                    t0 = time.perf_counter()
+
+                def once():
                     self.forward(ids, cache)
-                    sync()  # CUDA launches are asynchronous: time the work, not the launch
-                    best = min(best, time.perf_counter() - t0)
                     cache.rollback()
-                secs[n] = best
+
+                secs[n] = best_seconds(once, reps, self.device, warm=False)
             curves[threads] = {n: s / secs[sizes[0]] for n, s in secs.items()}
         return dict(curves[threads])
 

@@ -77,6 +77,8 @@ def _cases(target):
          dict(max_depth=3), SamplingParams(0.7, top_p=0.9)),
         ("ngram deterministic T=1.3 top-k 4", load_drafter("ngram", target=target), dict(max_depth=2),
          SamplingParams(1.3, top_k=4)),
+        # no drafter: every step is a plain step (verify's one-draw path)
+        ("plain T=0.9 top-p 0.9", None, {}, SamplingParams(0.9, top_p=0.9)),
     ]
     if "eagle3" in available_drafters():
         cases.append(("eagle3 dynamic tree T=1", load_drafter("eagle3", target=target, top_k=2, depth=2),
@@ -94,7 +96,7 @@ def _cases(target):
     return cases
 
 
-CASE_NAMES = ["draft-chain T=1", "draft-chain T=0.7 top-p 0.9", "ngram deterministic T=1.3 top-k 4",
+CASE_NAMES = ["draft-chain T=1", "draft-chain T=0.7 top-p 0.9", "ngram deterministic T=1.3 top-k 4", "plain T=0.9 top-p 0.9",
               "eagle3 dynamic tree T=1", "eagle3 reduced vocab T=1", "medusa static tree T=0.8 top-p 0.95"]
 
 

@@ -180,6 +180,13 @@ def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> to
     return torch.searchsorted(cdf, u, right=True).clamp_(max=weights.shape[-1] - 1).squeeze(-1)
 
 
+def _device(model) -> torch.device:
+    """Where a generation model (an engine or a HF model) runs."""
+    from specfoundry.runtime.engine import LlamaEngine
+
+    return model.device if isinstance(model, LlamaEngine) else next(model.parameters()).device
+
+
 @torch.no_grad()
 def _generate_one_batch(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float,
                         top_k: int, stop_ids: Sequence[int], min_new_tokens: int, pad_id: int,
@@ -189,7 +196,7 @@ def _generate_one_batch(model, prompts: list[list[int]], *, max_new_tokens: int,
     from specfoundry.runtime.engine import LlamaEngine
 
     engine = model if isinstance(model, LlamaEngine) else None
-    dev = engine.device if engine is not None else next(model.parameters()).device
+    dev = _device(model)
     B = len(prompts)
     S = max(len(p) for p in prompts)
     ids = torch.full((B, S), pad_id, dtype=torch.long)
@@ -271,10 +278,7 @@ def generate_batched(model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: every prompt needs at least one token")
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
-    from specfoundry.runtime.engine import LlamaEngine
-
-    dev = model.device if isinstance(model, LlamaEngine) else next(model.parameters()).device
-    g = torch.Generator(device=dev).manual_seed(int(seed)) if temperature > 0 else None
+    g = torch.Generator(device=_device(model)).manual_seed(int(seed)) if temperature > 0 else None
     results: list[list[int] | None] = [None] * len(prompts)
     fin: list[bool] = [False] * len(prompts)
     local = GenStats()

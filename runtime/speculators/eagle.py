@@ -419,8 +419,7 @@ class EagleHead(_EagleBase):
         return features[:, :, 0].to(self.device, self.dtype)
 
     def _decode(self, input_ids, hidden, **kw):
-        x = self.fc(torch.cat([self._embed(input_ids), hidden], dim=-1))
-        return self.layer(x, **kw)
+        return self.layer(self._step_inputs(input_ids, hidden)[0], **kw)
 
     def _step_inputs(self, input_ids, hidden):
         x = self._lin(self.fc, torch.cat([self._embed(input_ids), hidden], dim=-1))
