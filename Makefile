@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[dev,export,train]"
+	$(BIN)/python -m pip install -q -e ".[dev,export,train,serve]"
 	touch $(STAMP)
 
 venv: $(STAMP)
