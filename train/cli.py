@@ -9,12 +9,15 @@ import sys
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a speculator from a recipe")
-    p.add_argument("recipe", nargs="?", default="eagle3-smollm2-135m", help="recipe name or YAML path")
+    p.add_argument("recipe", nargs="?", default=None,
+                   help="recipe name or YAML path (required; `--list` shows the shipped ones)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no download)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue the run from its newest valid checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="clear the run directory of an earlier run and start a new one")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe field")
     p.add_argument("--list", action="store_true", help="list the shipped recipes")
-    p.set_defaults(func=run_train)
+    p.set_defaults(func=run_train, usage=p.format_usage)
 
 
 def run_train(args) -> int:
@@ -23,13 +26,20 @@ def run_train(args) -> int:
     if args.list:
         print("\n".join(list_recipes()))
         return 0
+    if args.recipe is None:
+        # no silent default: training writes runs/<recipe>/ and takes minutes to hours
+        usage = args.usage() if hasattr(args, "usage") else "usage: specfoundry train RECIPE\n"
+        print(usage + "specfoundry train: error: name a recipe (shipped: " + ", ".join(list_recipes())
+              + "), e.g. `specfoundry train eagle3-smollm2-135m`", file=sys.stderr)
+        return 2
     recipe = resolve(load_recipe(args.recipe, overrides=args.set or None))
     if args.dry_run:
         from .plan import format_plan, make_plan
 
         print(format_plan(make_plan(recipe)))
         return 0
-    extra = (["--resume"] if args.resume else []) + [x for kv in args.set for x in ("--set", kv)]
+    extra = (["--resume"] if args.resume else []) + (["--overwrite"] if args.overwrite else []) \
+        + [x for kv in args.set for x in ("--set", kv)]
     if (recipe.launcher.num_processes or 1) == 1 and recipe.launcher.deepspeed is None:
         from .run import main  # one process: no launcher needed
 

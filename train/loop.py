@@ -7,8 +7,15 @@ single process, DDP or DeepSpeed ZeRO-2/3 (the launcher config decides).
 Checkpoints (every ``checkpoint_every`` steps and at the end) are written atomically: the
 Accelerate state (model, optimizer, scheduler, RNG of every process) plus ``trainer_state.json``
 (global step, epoch, step within the epoch) go to a temp directory that is renamed into
-``checkpoints/step-XXXXXXX``. ``resume=True`` restores the newest one and skips the batches
-already consumed, so the data order continues exactly.
+``checkpoints/step-XXXXXXX``. ``resume=True`` restores the newest *valid* checkpoint of this
+run and skips the batches already consumed, so the data order continues exactly.
+
+A run directory belongs to one run: ``run.json`` records its id, every checkpoint records it
+too, and a resume only considers checkpoints of that id. A checkpoint that cannot be restored
+completely (unreadable files, a tampered RNG state, non-finite weights or optimizer state) is
+passed over with a warning for the previous one; when none is left, resuming is an error.
+Training stops at the first non-finite loss or gradient norm with :class:`NonFiniteError`
+(``LoopConfig.max_nonfinite_skips`` > 0 skips and counts up to that many such steps instead).
 """
 
 from __future__ import annotations
@@ -16,8 +23,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import shutil
 import time
+import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -40,6 +50,109 @@ class LoopConfig:
     keep_checkpoints: int = 2
     micro_batch_size: int = 1  # per process; fills DeepSpeed's "auto" (we feed batches, not a DataLoader)
     eval_every: int = 0  # run ``evaluate`` every N steps (0: never mid-run)
+    # steps with a non-finite loss or gradient that may be skipped (and counted) before the run
+    # stops; 0: the first one stops it
+    max_nonfinite_skips: int = 0
+
+
+class NonFiniteError(ValueError):
+    """Training produced (or a checkpoint holds) a non-finite value."""
+
+
+class RunDirError(ValueError):
+    """A run directory that this run may not use as asked (another run's, a file, not ours)."""
+
+
+class ResumeError(ValueError):
+    """``--resume`` found no checkpoint of this run that can be restored completely."""
+
+
+RUN_FILE = "run.json"
+# what a run writes into its directory: a directory holding only these (or nothing) is a run
+# directory ``--overwrite`` may clear
+_RUN_ENTRIES = {RUN_FILE, "checkpoints", "recipe.resolved.yaml", "speculator", "train_summary.json", "wandb",
+                "export", "target", "adapter"}
+
+
+def _is_run_dir(run_dir: Path) -> bool:
+    return (run_dir / RUN_FILE).is_file() or (run_dir / "checkpoints").is_dir() \
+        or (run_dir / "recipe.resolved.yaml").is_file()
+
+
+def read_run_id(run_dir: Path) -> str | None:
+    f = Path(run_dir) / RUN_FILE
+    if not f.is_file():
+        return None
+    try:
+        rid = json.loads(f.read_text()).get("run_id")
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        raise RunDirError(f"{f}: unreadable run record; pass --overwrite to start over") from None
+    if not isinstance(rid, str) or not rid:
+        raise RunDirError(f"{f}: no run id recorded; pass --overwrite to start over")
+    return rid
+
+
+def check_run_dir(run_dir, *, resume: bool, overwrite: bool) -> None:
+    """Refuse (:class:`RunDirError`) a run directory this run may not use; changes nothing.
+
+    Fresh runs need an empty or absent directory, or ``overwrite`` of one that is a run
+    directory; ``resume`` needs a directory with a run record."""
+    run_dir = Path(run_dir)
+    if resume and overwrite:
+        raise RunDirError("--resume and --overwrite contradict each other: pass one")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"output_dir {run_dir} exists and is not a directory")
+    if resume:
+        if not run_dir.is_dir():
+            raise ResumeError(f"--resume: {run_dir} does not exist; start the run without --resume")
+        if read_run_id(run_dir) is None and any((run_dir / "checkpoints").glob("step-*")):
+            return  # a run directory from before run ids: its checkpoints carry none either
+        if read_run_id(run_dir) is None:
+            raise ResumeError(f"--resume: {run_dir} holds no run (no {RUN_FILE}); start the run without --resume")
+        return
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return
+    if not overwrite:
+        raise RunDirError(f"{run_dir} is not empty (it holds an earlier run or other files): pass --resume to "
+                          "continue that run or --overwrite to clear it and start a new one")
+    if not _is_run_dir(run_dir) or any(p.name not in _RUN_ENTRIES for p in run_dir.iterdir()):
+        extra = sorted(p.name for p in run_dir.iterdir() if p.name not in _RUN_ENTRIES)
+        raise RunDirError(f"--overwrite: {run_dir} is not a specfoundry run directory"
+                          + (f" (it holds {', '.join(extra[:5])})" if extra else "") + "; refusing to clear it")
+
+
+def claim_run_dir(run_dir, *, resume: bool, overwrite: bool) -> str:
+    """Check ``run_dir`` (:func:`check_run_dir`), clear it for ``overwrite``, and return the run
+    id: the recorded one for ``resume``, else a new one written to ``run.json``."""
+    run_dir = Path(run_dir)
+    check_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    if resume:
+        rid = read_run_id(run_dir)
+        if rid is None:  # legacy directory: adopt its checkpoints under a recorded id
+            rid = ""
+        return rid
+    if overwrite and run_dir.is_dir():
+        for p in list(run_dir.iterdir()):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rid = uuid.uuid4().hex
+    tmp = run_dir / f".{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps({"run_id": rid, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
+    os.replace(tmp, run_dir / RUN_FILE)
+    return rid
+
+
+def _nonfinite(tensors) -> str | None:
+    for name, t in tensors:
+        if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+def _optimizer_tensors(optimizer):
+    for i, st in enumerate(optimizer.state_dict().get("state", {}).values()):
+        for k, v in st.items():
+            yield f"optimizer state {i}.{k}", v
 
 
 def make_scheduler(optimizer, cfg: LoopConfig, horizon: dict | None = None):
@@ -63,8 +176,77 @@ def make_scheduler(optimizer, cfg: LoopConfig, horizon: dict | None = None):
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckpts = sorted((run_dir / "checkpoints").glob("step-*"))
+    ckpts = sorted((Path(run_dir) / "checkpoints").glob("step-*"))
     return ckpts[-1] if ckpts else None
+
+
+def _read_trainer_state(ckpt: Path) -> dict:
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    if not isinstance(state, dict):
+        raise ValueError("trainer_state.json is not an object")
+    for key in ("global_step", "epoch", "step_in_epoch", "tokens"):
+        v = state.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"trainer_state.json: {key} = {v!r} is not a non-negative integer")
+    if not isinstance(state.get("seconds"), (int, float)) or not math.isfinite(state["seconds"]):
+        raise ValueError(f"trainer_state.json: seconds = {state.get('seconds')!r} is not a finite number")
+    return state
+
+
+def _restore_rng(ckpt: Path, process_index: int) -> None:
+    """Restore this process's RNG states strictly (Accelerate skips a state it cannot load)."""
+    import numpy as np
+    from accelerate.utils.other import load
+
+    states = load(ckpt / f"random_states_{process_index}.pkl")
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+
+
+def _restore(accelerator, method, optimizer, ckpt: Path, run_id: str) -> dict:
+    """Load ``ckpt`` completely or raise (ValueError, OSError, RuntimeError, ...) saying why."""
+    state = _read_trainer_state(ckpt)
+    if run_id and state.get("run_id") != run_id:
+        raise RunDirError(f"it belongs to another run (run id {state.get('run_id')!r}, this run {run_id!r})")
+    accelerator.load_state(str(ckpt))
+    _restore_rng(ckpt, accelerator.process_index)
+    bad = _nonfinite(method.named_parameters()) or _nonfinite(_optimizer_tensors(optimizer))
+    if bad is not None:
+        raise NonFiniteError(f"non-finite values in {bad}")
+    return state
+
+
+def resume_from_checkpoint(accelerator, method, optimizer, run_dir: Path, run_id: str) -> tuple[Path, dict]:
+    """Restore the newest checkpoint of run ``run_id`` that loads completely, warning for each
+    newer one passed over; :class:`ResumeError` when none does."""
+    ckpts = sorted((run_dir / "checkpoints").glob("step-*"), reverse=True)
+    if not ckpts:
+        raise ResumeError(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
+    problems = []
+    for ckpt in ckpts:
+        try:
+            state = _restore(accelerator, method, optimizer, ckpt, run_id)
+            ok = True
+        except Exception as exc:  # noqa: BLE001 - every failure makes the checkpoint unusable
+            ok, why = False, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        if accelerator.num_processes > 1:  # every rank must resume from the same checkpoint
+            flags = accelerator.gather(torch.tensor([int(ok)], device=accelerator.device))
+            if not bool(flags.min()) and ok:
+                ok, why = False, "another process could not restore it"
+        if ok:
+            if problems:
+                accelerator.print(f"[train] resumed from {ckpt.name}, an older checkpoint, after skipping "
+                                  f"{len(problems)} newer one(s)")
+            return ckpt, state
+        problems.append(f"{ckpt.name}: {why}")
+        msg = f"checkpoint {ckpt} cannot be restored ({why}); trying the previous one"
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        accelerator.print(f"[train] warning: {msg}")
+    raise ResumeError(f"--resume: no checkpoint under {run_dir / 'checkpoints'} can be restored completely: "
+                      + "; ".join(problems))
 
 
 def _save_checkpoint(accelerator, run_dir: Path, state: dict, keep: int) -> Path:
@@ -82,10 +264,26 @@ def _save_checkpoint(accelerator, run_dir: Path, state: dict, keep: int) -> Path
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)  # atomic: a checkpoint directory is complete or absent
-        for old in sorted(ckpt_root.glob("step-*"))[:-keep] if keep > 0 else []:
+        # prune only this run's checkpoints (a run directory holds no other run's: see claim_run_dir)
+        ours = [c for c in sorted(ckpt_root.glob("step-*")) if (_run_id_of(c) or "") == (state.get("run_id") or "")]
+        for old in ours[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def _record_run_id(run_dir: Path) -> str:
+    """Record a new run id in ``run_dir`` (for callers that did not :func:`claim_run_dir`)."""
+    rid = uuid.uuid4().hex
+    (run_dir / RUN_FILE).write_text(json.dumps({"run_id": rid}))
+    return rid
+
+
+def _run_id_of(ckpt: Path):
+    try:
+        return json.loads((ckpt / "trainer_state.json").read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def train_loop(
@@ -98,15 +296,29 @@ def train_loop(
     resume: bool = False,
     stop_after: int | None = None,
     evaluate: Callable[[torch.nn.Module], dict] | None = None,
+    run_id: str | None = None,
 ) -> dict:
     """Train ``method``; ``batches(epoch, start_step)`` yields the batches of one epoch.
 
     ``stop_after`` ends the run early after that many steps *without* a final checkpoint (used
     by tests to simulate a killed run). ``evaluate(method)`` (every ``cfg.eval_every`` steps, on
     every process, in eval mode without gradients) returns metrics logged under ``eval/``.
-    Returns a summary dict.
+    ``run_id``: the id :func:`claim_run_dir` returned (default: the one recorded in ``run_dir``,
+    or a new one for a fresh directory). A fresh run refuses a directory that already holds
+    checkpoints. Returns a summary dict.
     """
     run_dir = Path(run_dir)
+    if run_id is None:
+        if accelerator.is_main_process and not resume and read_run_id(run_dir) is None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            _record_run_id(run_dir)
+        accelerator.wait_for_everyone()
+        run_id = read_run_id(run_dir) or ""
+    if not resume and any((run_dir / "checkpoints").glob("step-*")):
+        raise RunDirError(f"{run_dir / 'checkpoints'} already holds checkpoints: pass --resume to continue that run "
+                          "or --overwrite to clear it and start a new one")
+    if cfg.max_nonfinite_skips < 0:
+        raise ValueError(f"max_nonfinite_skips must be >= 0, got {cfg.max_nonfinite_skips}")
     ds = getattr(accelerator.state, "deepspeed_plugin", None)
     if ds is not None:
         conf = ds.deepspeed_config
@@ -122,13 +334,12 @@ def train_loop(
     scheduler = make_scheduler(optimizer, cfg, horizon)
     method, optimizer, scheduler = accelerator.prepare(method, optimizer, scheduler)
 
-    state = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "tokens": 0, "seconds": 0.0}
+    state = {"global_step": 0, "epoch": 0, "step_in_epoch": 0, "tokens": 0, "seconds": 0.0, "run_id": run_id,
+             "nonfinite_skipped": 0}
     if resume:
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is None:
-            raise FileNotFoundError(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
-        accelerator.load_state(str(ckpt))
-        state = json.loads((ckpt / "trainer_state.json").read_text())
+        ckpt, state = resume_from_checkpoint(accelerator, method, optimizer, run_dir, run_id)
+        state["run_id"] = run_id or state.get("run_id") or ""
+        state.setdefault("nonfinite_skipped", 0)
         accelerator.print(f"[train] resumed from {ckpt} (step {state['global_step']})")
     horizon["steps"] = state.setdefault("max_steps", cfg.max_steps)
 
@@ -146,9 +357,36 @@ def train_loop(
             got_batch = True
             with accelerator.accumulate(method):
                 loss, metrics = method(batch)
-                accelerator.backward(loss)
-                if cfg.grad_clip and accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(params, cfg.grad_clip)
+                bad = None if bool(torch.isfinite(loss.detach()).all()) else f"loss {loss.item()}"
+                if accelerator.num_processes > 1:  # all ranks skip (or stop) together: collectives match
+                    flags = accelerator.gather(torch.tensor([int(bad is None)], device=accelerator.device))
+                    if bad is None and not bool(flags.min()):
+                        bad = "loss on another process"
+                if bad is None:
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        if cfg.grad_clip:
+                            norm = accelerator.clip_grad_norm_(params, cfg.grad_clip)
+                        else:
+                            grads = [p.grad for p in params if p.grad is not None]
+                            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float())
+                                                                         for g in grads])) if grads else None
+                        if norm is not None and not bool(torch.isfinite(torch.as_tensor(norm)).all()):
+                            bad = f"gradient norm {float(norm)}"
+                if bad is not None:
+                    state["nonfinite_skipped"] += 1
+                    if state["nonfinite_skipped"] > cfg.max_nonfinite_skips:
+                        bar.close()
+                        raise NonFiniteError(
+                            f"non-finite {bad} at step {state['global_step'] + 1}"
+                            + (f" ({state['nonfinite_skipped'] - 1} such step(s) skipped before)"
+                               if cfg.max_nonfinite_skips else "")
+                            + ": training stopped (check the data, the learning rate and the checkpoint resumed from)")
+                    optimizer.zero_grad()
+                    state["step_in_epoch"] += 1  # the batch is consumed: a resume must not replay it
+                    accelerator.print(f"[train] warning: skipped step {state['global_step'] + 1}: non-finite {bad} "
+                                      f"({state['nonfinite_skipped']}/{cfg.max_nonfinite_skips})")
+                    continue
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()

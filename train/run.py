@@ -201,27 +201,32 @@ def main(argv: list[str] | None = None) -> int:
 
     from .data import build_dataset
     from .features import HiddenStateSource, dataset_hash
-    from .loop import LoopConfig, train_loop
+    from .loop import LoopConfig, check_run_dir, claim_run_dir, read_run_id, train_loop
     from .recipe import dump_resolved, load_recipe, prompt_source_dicts, resolve
     from .tracking import init_tracking
 
     ap = argparse.ArgumentParser(prog="specfoundry.train.run")
     ap.add_argument("recipe")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--overwrite", action="store_true", help="clear an existing run directory first")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
     recipe = resolve(load_recipe(args.recipe, overrides=args.set or None))
     run_dir = Path(recipe.output_dir)
+    # before anything is loaded or written: a run directory belongs to one run
+    check_run_dir(run_dir, resume=args.resume, overwrite=args.overwrite)
     # the frozen target is loaded before the DeepSpeed plugin exists: under ZeRO-3 transformers
     # would otherwise partition it at load (it is replicated per process; only the head is sharded)
     target = load_target(recipe.target.name, dtype=_dtype(recipe.target.dtype))
     acc = make_accelerator(recipe)
     set_seed(recipe.training.seed)
     if acc.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        claim_run_dir(run_dir, resume=args.resume, overwrite=args.overwrite)
         dump_resolved(recipe, run_dir)
+    acc.wait_for_everyone()
+    run_id = read_run_id(run_dir) or ""
     mode = init_tracking(acc, recipe.tracking.wandb_project, recipe.tracking.run_name, recipe.to_dict(), run_dir,
                          recipe.tracking.wandb_mode) if recipe.tracking.wandb_mode != "disabled" else "disabled"
 
@@ -292,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                 sums[k] = sums.get(k, 0.0) + float(v) * w
         return {k: v / max(weight, 1) for k, v in sums.items()}
 
-    summary = train_loop(acc, method, batches, cfg, run_dir, resume=args.resume,
+    summary = train_loop(acc, method, batches, cfg, run_dir, resume=args.resume, run_id=run_id,
                          evaluate=evaluate if val_ds is not None else None)
     state_dict = summary.pop("state_dict")
     result = {"recipe": recipe.name, "command": " ".join(["specfoundry", "train", *sys.argv[1:]]),
@@ -348,5 +353,16 @@ def _save_and_evaluate(recipe, target, module, state_dict, run_dir: Path, summar
                      indent=2, default=str))
 
 
+def _cli() -> int:
+    """``accelerate launch -m specfoundry.train.run``: one sentence for a refused or stopped run."""
+    from .loop import NonFiniteError
+
+    try:
+        return main()
+    except (ValueError, FileNotFoundError, NonFiniteError) as exc:
+        print(f"specfoundry: error: {exc}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_cli())
