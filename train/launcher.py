@@ -1,0 +1,204 @@
+"""Launcher configs of a recipe: the packaged accelerate YAMLs and DeepSpeed JSONs, and what a
+recipe's ``launcher`` section makes of them.
+
+Scope: locating the configs (``recipes/accelerate/*.yaml``, ``recipes/deepspeed/*.json``, or
+paths), reading them, the launcher cross-checks the recipe schema runs (:func:`launcher_problems`),
+the ``accelerate launch`` arguments (:func:`launch_args`) and the DeepSpeed config with every
+``"auto"`` filled from the recipe (:func:`deepspeed_config_for`). It works on any object shaped
+like :class:`~specfoundry.train.recipe_schema.Recipe` and imports nothing of the schema (the
+schema imports this module). No torch import.
+
+Launching: ``accelerate launch <launch_args(recipe)> -m specfoundry.train <recipe>``. The
+DeepSpeed JSON is passed with ``--deepspeed_config_file`` (absolute), which overrides the
+relative path written in the accelerate YAML, so installed packages work from any directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from .recipe_errors import suggest
+
+__all__ = ["packaged", "accelerate_config_path", "deepspeed_config_path", "list_launcher_configs",
+           "read_accelerate_config", "read_deepspeed_config", "zero_stage", "launcher_problems", "launch_args",
+           "deepspeed_config_for", "process_counts"]
+
+
+def packaged(*parts: str):
+    """A file or folder inside the installed ``specfoundry.recipes`` package."""
+    return resources.files("specfoundry.recipes").joinpath(*parts)
+
+
+def _named_file(value: str, folder: str, ext: str) -> Path:
+    """A packaged launcher config by name, or a path (contains '/' or ends with the extension)."""
+    if "/" in value or os.sep in value or value.endswith(ext):
+        return Path(value).expanduser()
+    return Path(str(packaged(folder, value + ext)))
+
+
+def accelerate_config_path(name_or_path: str) -> Path:
+    return _named_file(name_or_path, "accelerate", ".yaml")
+
+
+def deepspeed_config_path(name_or_path: str) -> Path:
+    return _named_file(name_or_path, "deepspeed", ".json")
+
+
+def list_launcher_configs() -> dict[str, list[str]]:
+    """``{"accelerate": [...], "deepspeed": [...]}``: the packaged launcher config names."""
+    out = {}
+    for folder, ext in (("accelerate", ".yaml"), ("deepspeed", ".json")):
+        d = packaged(folder)
+        out[folder] = sorted(p.name[: -len(ext)] for p in d.iterdir() if p.name.endswith(ext)) if d.is_dir() else []
+    return out
+
+
+def read_accelerate_config(name_or_path: str) -> dict:
+    path = accelerate_config_path(name_or_path)
+    cfg = yaml.safe_load(path.read_text())
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} is not a YAML mapping")
+    return cfg
+
+
+def read_deepspeed_config(name_or_path: str) -> dict:
+    path = deepspeed_config_path(name_or_path)
+    cfg = json.loads(path.read_text())
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return cfg
+
+
+def zero_stage(recipe) -> int:
+    """The recipe's ZeRO stage (0 when the launcher does not use DeepSpeed)."""
+    if recipe.launcher.deepspeed is None:
+        return 0
+    return int(read_deepspeed_config(recipe.launcher.deepspeed).get("zero_optimization", {}).get("stage", 0))
+
+
+def process_counts(recipe) -> tuple[int, int]:
+    """``(num_processes, num_machines)``: the recipe's, else its accelerate config's."""
+    ln = recipe.launcher
+    acc = read_accelerate_config(ln.config)
+    return (ln.num_processes or int(acc.get("num_processes", 1)), ln.num_machines or int(acc.get("num_machines", 1)))
+
+
+def launcher_problems(r) -> list[tuple[str, str]]:
+    """Cross-checks between the recipe and its launcher configs, as ``(key path, text)``."""
+    ln, out = r.launcher, []
+    names = list_launcher_configs()
+    acc_path = accelerate_config_path(ln.config)
+    if not acc_path.is_file():
+        return [("launcher.config", f"no accelerate config {ln.config!r} ({acc_path}); packaged: "
+                 f"{', '.join(names['accelerate'])}{suggest(ln.config, names['accelerate'])}")]
+    try:
+        acc = read_accelerate_config(ln.config)
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        return [("launcher.config", f"cannot read {acc_path}: {e}")]
+    is_ds = acc.get("distributed_type") == "DEEPSPEED"
+    stage = 0
+    if ln.deepspeed is not None:
+        ds_path = deepspeed_config_path(ln.deepspeed)
+        if not ds_path.is_file():
+            out.append(("launcher.deepspeed", f"no DeepSpeed config {ln.deepspeed!r} ({ds_path}); packaged: "
+                        f"{', '.join(names['deepspeed'])}{suggest(ln.deepspeed, names['deepspeed'])}"))
+        else:
+            try:
+                stage = int(read_deepspeed_config(ln.deepspeed).get("zero_optimization", {}).get("stage", 0))
+            except (OSError, ValueError) as e:
+                out.append(("launcher.deepspeed", f"cannot read {ds_path}: {e}"))
+        if not is_ds:
+            out.append(("launcher.deepspeed", f"a ZeRO config needs a DeepSpeed launcher, but accelerate config "
+                                              f"{ln.config!r} is distributed_type {acc.get('distributed_type')!r} "
+                                              "(use zero2, zero3 or multinode-example)"))
+    elif is_ds:
+        out.append(("launcher.deepspeed", f"accelerate config {ln.config!r} launches DeepSpeed: name its ZeRO config "
+                                          "(zero2, zero3, zero3-offload)"))
+    nproc = ln.num_processes or int(acc.get("num_processes", 1))
+    nmach = ln.num_machines or int(acc.get("num_machines", 1))
+    if nproc % nmach:
+        out.append(("launcher.num_processes", f"{nproc} processes do not split evenly over {nmach} machines "
+                                              "(num_processes is the total over all machines)"))
+    if acc.get("distributed_type") == "NO" and nproc > 1:
+        out.append(("launcher.num_processes", f"{nproc} processes with the single-process config {ln.config!r}"))
+    use_cpu = bool(acc.get("use_cpu", False))
+    if r.training.precision == "fp16" and use_cpu:
+        out.append(("training.precision", f"fp16 mixed precision needs CUDA; launcher {ln.config!r} runs on CPU "
+                                          "(use bf16 or fp32)"))
+    if use_cpu and r.target.device.startswith("cuda"):
+        out.append(("target.device", f"{r.target.device} with the CPU launcher {ln.config!r}"))
+    pl = r.target.placement
+    if pl == "zero3" and stage != 3:
+        out.append(("target.placement", "zero3 placement partitions the target with ZeRO-3: set launcher.deepspeed "
+                                        "to a stage-3 config (zero3) with a DeepSpeed launcher"))
+    if pl == "device_map" and nproc > 1:
+        out.append(("target.placement", f"device_map spreads one target over the GPUs of one process; "
+                                        f"the launcher starts {nproc}"))
+    return out
+
+
+def launch_args(recipe) -> list[str]:
+    """``accelerate launch`` options for this recipe (config file, DeepSpeed JSON, process counts,
+    mixed precision), all paths absolute. CLI options override the accelerate YAML's values."""
+    ln = recipe.launcher
+    args = ["--config_file", str(accelerate_config_path(ln.config).resolve())]
+    if ln.deepspeed is not None:
+        args += ["--deepspeed_config_file", str(deepspeed_config_path(ln.deepspeed).resolve())]
+    nproc, nmach = process_counts(recipe)
+    args += ["--num_processes", str(nproc), "--num_machines", str(nmach),
+             "--mixed_precision", {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[recipe.training.precision]]
+    return args
+
+
+def deepspeed_config_for(recipe, hidden_size: int | None = None) -> dict | None:
+    """The recipe's DeepSpeed config with every ``"auto"`` filled from the recipe (None without
+    DeepSpeed), for ``accelerate.DeepSpeedPlugin(hf_ds_config=...)``.
+
+    Why not leave the autos to accelerate: it fills ``gradient_clipping`` with 1.0 (not
+    ``training.grad_clip``), and the bucket sizes from ``model.config.hidden_size``, which a
+    speculator module may not have. ``hidden_size`` defaults to the target's (preset or local
+    config.json); the bucket formulas are accelerate's own."""
+    if recipe.launcher.deepspeed is None:
+        return None
+    from .presets import resolve_architecture  # reads files only; kept out of the schema's import path
+
+    tr = recipe.training
+    nproc, _ = process_counts(recipe)
+    cfg = copy.deepcopy(read_deepspeed_config(recipe.launcher.deepspeed))
+    H = hidden_size or resolve_architecture(recipe.target.name).hidden_size
+    fills = {
+        "train_micro_batch_size_per_gpu": tr.batch_size,
+        "gradient_accumulation_steps": tr.grad_accum,
+        "train_batch_size": tr.batch_size * tr.grad_accum * nproc,
+        "gradient_clipping": float(tr.grad_clip or 0.0),  # 0 = no clipping in DeepSpeed
+        "bf16.enabled": tr.precision == "bf16",
+        "fp16.enabled": tr.precision == "fp16",
+        "zero_optimization.reduce_bucket_size": H * H,
+        "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * H * H),
+        "zero_optimization.stage3_param_persistence_threshold": 10 * H,
+    }
+    for dotted, value in fills.items():
+        *parents, leaf = dotted.split(".")
+        node = cfg
+        for part in parents:
+            node = node.get(part, {})
+        if node.get(leaf) == "auto":
+            node[leaf] = value
+
+    def autos(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from autos(v, f"{prefix}{k}.")
+            elif v == "auto":
+                yield prefix + k
+
+    left = list(autos(cfg))
+    if left:
+        raise ValueError(f"DeepSpeed config {recipe.launcher.deepspeed!r}: no recipe value for 'auto' keys {left}")
+    return cfg
