@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from .target import TargetModel, TargetOutput
 
 __all__ = ["KERNELS", "EngineTarget", "LlamaEngine", "MaskBuffer", "PreparedLinears", "StaticKVCache", "attend",
-           "engine_support", "padded_mask", "rotate"]
+           "engine_support", "grouped_attention", "padded_mask", "rotate"]
 
 _MATRICES = ("wqkv", "wo", "w_gu", "w_down", "lm_head")
 _ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -146,12 +146,19 @@ def attend(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     Grouped-query attention without repeating K/V: the ``g`` query heads of one KV head are
     stacked as ``g * n`` query rows against it (``mask`` from :class:`MaskBuffer` has that layout).
     """
-    B, n, hq, D = q.shape
-    hkv = k.shape[2]
-    g = hq // hkv
+    n = q.shape[1]
     layer_kv[0, :, :, past: past + n].copy_(k.transpose(1, 2))
     layer_kv[1, :, :, past: past + n].copy_(v.transpose(1, 2))
-    keys, values = layer_kv[0, :, :, : past + n], layer_kv[1, :, :, : past + n]
+    return grouped_attention(q, layer_kv[0, :, :, : past + n], layer_kv[1, :, :, : past + n], mask, scale)
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float) -> torch.Tensor:
+    """``q`` ``[B, n, hq, D]`` against ``keys``/``values`` ``[B, hkv, S, D]`` -> ``[B, n, hq*D]``, the
+    ``g = hq/hkv`` query heads of one KV head stacked as ``g * n`` rows (``mask`` ``[B, 1, g*n, S]``)."""
+    B, n, hq, D = q.shape
+    hkv = keys.shape[1]
+    g = hq // hkv
     qg = q.reshape(B, n, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, hkv, g * n, D)
     o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
     return o.view(B, hkv, g, n, D).permute(0, 3, 1, 2, 4).reshape(B, n, hq * D)
@@ -409,7 +416,7 @@ class LlamaEngine:
                              dtype=self.dtype, device=self.device)
 
     # -- preallocated tables -------------------------------------------------------------
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[B, n, 1, D]`` at ``positions``, from tables built by the model's own rotary
         module (so every static RoPE variant and its scaling match HF exactly)."""
         need = int(positions.max()) + 1
@@ -444,13 +451,27 @@ class LlamaEngine:
             cache.rebatch(B)  # an empty cache takes the batch of its first forward
         cache.reserve(n)
         past = cache.length
-        hq, hkv, D = self.hq, self.hkv, self.head_dim
-        cos, sin = self._rope(position_ids.to(self.device))
+        cos, sin = self.rope(position_ids.to(self.device))
         if valid is None:
             mask = self.masks.get(tree_mask, B, n, past)
         else:
             mask = padded_mask(valid.to(self.device), tree_mask, n, past, self.groups)
         kv = cache.kv
+        x, feats = self.run_layers(input_ids, cos, sin,
+                                   lambda i, q, k, v: attend(kv[i], q, k, v, past, mask, self.scale), feature_layers)
+        if valid is None:
+            self.masks.release(mask, n if tree_mask is None else tree_mask.shape[-1])
+        cache.mark_appended(n)
+        return self.finish(x, feats, feature_layers, logits_for)
+
+    def run_layers(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention,
+                   feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list]:
+        """The decoder layers over ``input_ids`` ``[B, n]`` -> (last hidden state before the final
+        norm, ``[(layer, hidden)]`` for the requested feature layers). ``attention(i, q, k, v)``
+        writes layer ``i``'s new K/V wherever its cache keeps them and returns ``[B, n, hq*D]``:
+        the one place the contiguous-cache forward and the serving slots' forward differ."""
+        B, n = input_ids.shape
+        hq, hkv, D = self.hq, self.hkv, self.head_dim
         kernel = self.kernels[0] if B * n == 1 else self.kernels[1]
         lin, sfx = KERNELS[kernel][1], "@" + kernel
         feats, want = [], set(feature_layers)
@@ -466,16 +487,17 @@ class LlamaEngine:
             else:  # Qwen3: per-head norms before RoPE
                 q, k, v = qkv.split((hq, hkv, hkv), dim=2)
                 q, k = rotate(self._norm(q, w["q_norm"]), cos, sin), rotate(self._norm(k, w["k_norm"]), cos, sin)
-            o = attend(kv[i], q, k, v, past, mask, self.scale)
-            x = x + lin(o, w["wo" + sfx])
+            x = x + lin(attention(i, q, k, v), w["wo" + sfx])
             h = self._norm(x, w["ln2"])
             gate, up = lin(h, w["w_gu" + sfx]).chunk(2, dim=-1)
             x = x + lin(F.silu(gate) * up, w["w_down" + sfx])
-        if valid is None:
-            self.masks.release(mask, n if tree_mask is None else tree_mask.shape[-1])
-        cache.mark_appended(n)
+        return x, feats
+
+    def finish(self, x: torch.Tensor, feats: list, feature_layers: tuple[int, ...],
+               logits_for: torch.Tensor | None) -> TargetOutput:
+        """Final norm, the requested features ``[B, n, F, H]`` and the LM-head rows ``logits_for``."""
         x = self._norm(x, self.final_norm)
-        if self.num_layers in want:
+        if self.num_layers in feature_layers:
             feats.append((self.num_layers, x))
         features = None
         if feature_layers:

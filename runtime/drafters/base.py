@@ -23,8 +23,9 @@ Invariant: after ``begin``/``commit`` the drafter has seen features for ``tokens
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 import torch
@@ -40,7 +41,6 @@ class DraftContext:
     max_depth: int
     max_nodes: int
     generator: torch.Generator | None = None
-    extras: dict = field(default_factory=dict)
 
 
 class Drafter(ABC):
@@ -53,6 +53,12 @@ class Drafter(ABC):
     #: the natural depth / node budget of this drafter (the generator may lower them).
     default_depth: int = 5
     default_nodes: int = 6
+
+    def fork(self) -> "Drafter":
+        """A drafter for another sequence: shares this one's weights and options, gets its own
+        per-sequence state from :meth:`begin` (which every drafter (re)creates there). The
+        serving scheduler keeps one fork per active sequence."""
+        return copy.copy(self)
 
     @abstractmethod
     def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None: ...

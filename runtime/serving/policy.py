@@ -1,0 +1,179 @@
+"""Load-aware speculation for the serving batch: how deep to draft (0 = not at all) each step.
+
+Scope: the per-step decision and the per-request acceptance monitor; nothing about running it.
+
+Speculation pays at small batch and costs at large batch: one step verifies ``sum_b (k_b + 1)``
+rows, and on a CPU (and on a GPU past its memory-bound region) a forward's cost grows with its
+rows. Each step :meth:`SpeculationPolicy.choose` picks the chain depth ``k`` that maximises the
+batch's expected tokens per second::
+
+    rate(k) = sum_b tau_b(k_b) / (unit * cost(sum_b (k_b + 1)) + draft * sum_b k_b)
+
+where ``cost(rows)`` is this machine's measured forward cost relative to one row (the target's
+cost curve, extrapolated linearly past its last point), ``unit`` the measured seconds of one cost
+unit, ``draft`` the measured seconds per drafted token, and ``tau_b(k)`` the expected tokens of
+request ``b`` at depth ``k`` from its own rolling acceptance (the server-wide acceptance as its
+prior). ``k_b = k`` for requests whose monitor has speculation on, else 0.
+
+:class:`AcceptanceMonitor` keeps a request's last ``window`` speculative steps; when even alone
+(batch 1) no depth would beat plain decoding on those figures, speculation stops for that request
+and is re-probed after ``reprobe`` plain steps. A request may opt out (``speculate=False``).
+
+A table in the style of vLLM's ``num_speculative_tokens_per_batch_size`` (``"1-4:3,5-8:1,9-:0"``)
+overrides the cost model's depth; the per-request monitor still applies.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ..adaptive import AcceptanceTally, expected_tokens
+
+
+def parse_table(spec: str | None, max_depth: int) -> list[tuple[int, int, int]] | None:
+    """``"1-4:3,5-8:1,9-:0"`` -> ``[(1, 4, 3), (5, 8, 1), (9, inf, 0)]`` (batch range -> depth)."""
+    if spec is None or spec == "":
+        return None
+    table = []
+    for part in spec.split(","):
+        try:
+            rng, depth = part.split(":")
+            lo, _, hi = rng.partition("-")
+            lo_i = int(lo)
+            hi_i = int(hi) if hi else (lo_i if "-" not in rng else 1 << 30)
+            d = int(depth)
+        except ValueError:
+            raise ValueError(f"bad speculation table entry {part!r}: expected 'LO-HI:DEPTH', 'LO-:DEPTH' or "
+                             f"'N:DEPTH' (e.g. '1-4:3,5-8:1,9-:0')") from None
+        if lo_i < 1 or hi_i < lo_i or not 0 <= d <= max_depth:
+            raise ValueError(f"bad speculation table entry {part!r}: need 1 <= LO <= HI and 0 <= DEPTH <= {max_depth}")
+        table.append((lo_i, hi_i, d))
+    return table
+
+
+class AcceptanceMonitor:
+    """One request's acceptance over its last ``window`` speculative steps, and whether it
+    speculates now (see the module docstring)."""
+
+    def __init__(self, max_depth: int, window: int = 16, reprobe: int = 32, enabled: bool = True):
+        self.max_depth = max_depth
+        self.steps: deque[tuple[int, int]] = deque(maxlen=window)
+        self.reprobe = reprobe
+        self.enabled = enabled  # False: the request opted out
+        self.off_for = 0  # plain steps left before re-probing
+        self.turned_off = 0  # times the monitor switched this request off
+
+    def record(self, depth_drafted: int, accepted: int) -> None:
+        if depth_drafted:
+            self.steps.append((depth_drafted, accepted))
+        elif self.off_for:
+            self.off_for -= 1
+
+    def acceptance(self, prior: list[float], weight: float = 4.0) -> list[float]:
+        """Per-depth conditional acceptance from the window, shrunk towards ``prior`` with the
+        weight of ``weight`` observations (a new request starts at the prior)."""
+        tally = AcceptanceTally(self.max_depth)
+        for d, a in self.steps:
+            tally.record(d, a)
+        return [(p + weight * pr) / (t + weight) for p, t, pr in zip(tally.passed[1:], tally.tried[1:], prior)]
+
+    @property
+    def speculating(self) -> bool:
+        return self.enabled and self.off_for == 0
+
+    def switch_off(self) -> None:
+        self.off_for = self.reprobe
+        self.steps.clear()  # the re-probe starts from the prior again
+        self.turned_off += 1
+
+
+class SpeculationPolicy:
+    """Chooses each step's depth per request (see the module docstring).
+
+    ``cost(rows)``: the forward cost of ``rows`` new tokens relative to one (a dict from the
+    target's ``cost_curve()`` or any callable); ``table``: an override (:func:`parse_table`).
+    """
+
+    def __init__(self, max_depth: int, cost=None, table: str | None = None, *, window: int = 16,
+                 reprobe: int = 32, min_steps: int = 4):
+        self.max_depth = max_depth
+        self._cost = cost
+        self.table = parse_table(table, max_depth)
+        self.window, self.reprobe, self.min_steps = window, reprobe, min_steps
+        self.pooled = AcceptanceTally(max_depth)  # every request's steps: the prior of new ones
+        self.unit: float | None = None  # seconds per cost unit (measured)
+        self.draft: float | None = None  # seconds per drafted token per row (measured)
+
+    def monitor(self, speculate: bool = True) -> AcceptanceMonitor:
+        return AcceptanceMonitor(self.max_depth, self.window, self.reprobe, enabled=speculate and self.max_depth > 0)
+
+    # -- costs -----------------------------------------------------------------------------
+    def cost(self, rows: int) -> float:
+        c = self._cost
+        if c is None:
+            return float(rows)  # no curve: assume compute-bound (the cautious default)
+        if callable(c):
+            return float(c(rows))
+        if rows in c:
+            return float(c[rows])
+        sizes = sorted(c)
+        if rows <= sizes[0]:
+            return float(c[sizes[0]])
+        for lo, hi in zip(sizes, sizes[1:]):
+            if rows <= hi:
+                return c[lo] + (c[hi] - c[lo]) * (rows - lo) / (hi - lo)
+        lo, hi = sizes[-2], sizes[-1]  # past the curve: extend its last slope
+        return c[hi] + (c[hi] - c[lo]) / (hi - lo) * (rows - hi)
+
+    def prior(self) -> list[float]:
+        """Server-wide acceptance by depth (0.5 where nothing was measured yet: worth a probe)."""
+        return [p / t if t else 0.5 for p, t in zip(self.pooled.passed[1:], self.pooled.tried[1:])]
+
+    def record_step(self, verify_seconds: float, rows: int, draft_seconds: float, drafted: int) -> None:
+        """Measured seconds of one step: the forward over ``rows`` rows and the drafting of
+        ``drafted`` tokens (all requests)."""
+        unit = verify_seconds / self.cost(rows)
+        self.unit = unit if self.unit is None else 0.8 * self.unit + 0.2 * unit
+        if drafted:
+            d = draft_seconds / drafted
+            self.draft = d if self.draft is None else 0.8 * self.draft + 0.2 * d
+
+    def record(self, monitor: AcceptanceMonitor, depth_drafted: int, accepted: int) -> None:
+        """One request's verified step; switches its speculation off when it no longer pays."""
+        if depth_drafted:
+            self.pooled.record(depth_drafted, accepted)
+        monitor.record(depth_drafted, accepted)
+        if monitor.speculating and len(monitor.steps) >= self.min_steps and self.best_depth([monitor]) == 0:
+            monitor.switch_off()
+
+    # -- the decision ----------------------------------------------------------------------
+    def rate(self, acceptances: list[list[float]], depths: list[int]) -> float:
+        """Expected tokens per second (per cost unit before anything is measured) of one step."""
+        tokens = sum(expected_tokens(a, k) for a, k in zip(acceptances, depths))
+        unit = self.unit or 1.0
+        draft = self.draft if self.draft is not None else 0.0
+        seconds = unit * self.cost(sum(k + 1 for k in depths)) + draft * sum(depths)
+        return tokens / seconds
+
+    def best_depth(self, monitors: list[AcceptanceMonitor]) -> int:
+        """The depth (0 = none) that maximises the batch's expected rate, the speculating
+        requests drafting that deep and the others plain."""
+        prior = self.prior()
+        acc = [m.acceptance(prior) for m in monitors]
+        on = [m.speculating for m in monitors]
+        if not any(on):
+            return 0
+        return max(range(self.max_depth + 1),
+                   key=lambda k: (self.rate(acc, [k if o else 0 for o in on]), -k))
+
+    def choose(self, monitors: list[AcceptanceMonitor]) -> list[int]:
+        """This step's depth for each request of the batch."""
+        if self.max_depth == 0:
+            return [0] * len(monitors)
+        k = None
+        if self.table is not None:
+            B = len(monitors)
+            k = next((d for lo, hi, d in self.table if lo <= B <= hi), 0)
+        if k is None:
+            k = self.best_depth(monitors)
+        return [k if m.speculating else 0 for m in monitors]

@@ -1,0 +1,467 @@
+"""Continuous batching with lossless speculative decoding: the embeddable serving engine.
+
+Scope: requests in, token events out. :class:`ServingEngine` owns a target on the engine, one
+drafter (forked per sequence) and a :class:`~.slots.SlotCache`; a background thread runs steps:
+
+1. admit waiting requests into free slots (each prefilled on its own row);
+2. :class:`~.policy.SpeculationPolicy` picks each sequence's draft depth for this batch size
+   (0 = plain) and each speculating sequence's drafter proposes a chain/tree;
+3. the drafts are padded to one node count and verified in **one** batched forward;
+4. per sequence: :func:`~specfoundry.runtime.verify.verify` (its own sampler and seed), the KV
+   of the accepted nodes kept in place, the drafter told, tokens streamed to the request.
+
+Every emitted token comes from ``verify``, so each request's greedy output is the target's own
+greedy output whatever else is in the batch, and sampling keeps the target's distribution.
+
+Thread-safety: :meth:`ServingEngine.submit` and :meth:`RequestHandle.cancel` may be called from
+any thread; everything touching the model runs on the engine's own thread. The waiting queue is
+bounded (:class:`QueueFull` when it is full).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..drafters.base import DraftContext, Drafter
+from ..engine import EngineTarget
+from ..generator import IncrementalDetokenizer
+from ..sampling import SamplingParams
+from ..tree import Draft, ancestor_matrix, tree_depths
+from ..verify import verify
+from .policy import SpeculationPolicy
+from .slots import SlotCache, forward_slots
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound: retry later (the server answers 429)."""
+
+
+@dataclass
+class Request:
+    """One generation request (validated by :meth:`ServingEngine.submit`)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    speculate: bool = True
+    stop_at_eos: bool = True
+
+
+@dataclass
+class Event:
+    """What a request receives per step: new tokens and their text; ``finish_reason`` is set on
+    the last event ("stop": an end-of-sequence token, "length": max_new_tokens, "cancelled",
+    "error": see ``error``)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+    stats: dict | None = None  # on the last event: tau, acceptance by position, timings
+
+
+@dataclass
+class RequestStats:
+    new_tokens: int = 0
+    target_forwards: int = 0  # steps this request took part in
+    drafted: int = 0
+    accepted: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)  # accepted at depth d+1
+    drafted_by_position: list[int] = field(default_factory=list)
+    queued_seconds: float = 0.0
+    ttft_seconds: float = 0.0
+    seconds: float = 0.0
+    speculative_steps: int = 0
+
+    def as_dict(self) -> dict:
+        tau = self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+        by_pos = [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+        return {"tau": tau, "acceptance_by_position": by_pos, "target_forwards": self.target_forwards,
+                "drafted": self.drafted, "accepted": self.accepted, "speculative_steps": self.speculative_steps,
+                "new_tokens": self.new_tokens, "queued_seconds": self.queued_seconds,
+                "ttft_seconds": self.ttft_seconds, "seconds": self.seconds}
+
+
+class RequestHandle:
+    """A submitted request: iterate it (blocking) or ``async for`` over :meth:`aiter` for its
+    events; :meth:`cancel` frees its slot at the next step boundary."""
+
+    def __init__(self, rid: int, request: Request, loop: asyncio.AbstractEventLoop | None):
+        self.id = rid
+        self.request = request
+        self.cancelled = threading.Event()
+        self.finished = threading.Event()
+        self._loop = loop
+        self._q: queue.Queue | asyncio.Queue = asyncio.Queue() if loop is not None else queue.Queue()
+        self.submitted = time.perf_counter()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def _put(self, event: Event) -> None:
+        if event.finish_reason is not None:
+            self.finished.set()
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._q.put_nowait, event)
+            except RuntimeError:  # the caller's event loop is gone: nobody is listening
+                self.cancelled.set()
+        else:
+            self._q.put(event)
+
+    def __iter__(self):
+        if self._loop is not None:
+            raise RuntimeError("this handle was submitted for asyncio: use `async for ev in handle.aiter()`")
+        while True:
+            ev = self._q.get()
+            yield ev
+            if ev.finish_reason is not None:
+                return
+
+    async def aiter(self):
+        if self._loop is None:
+            raise RuntimeError("this handle was submitted without an event loop: iterate it directly")
+        while True:
+            ev = await self._q.get()
+            yield ev
+            if ev.finish_reason is not None:
+                return
+
+    def result(self) -> tuple[list[int], str, Event]:
+        """Block until done: (all token ids, all text, the last event)."""
+        ids, text, last = [], [], None
+        for ev in self:
+            ids += ev.token_ids
+            text.append(ev.text)
+            last = ev
+        return ids, "".join(text), last
+
+
+class _Seq:
+    """Per-sequence state on the engine thread."""
+
+    def __init__(self, handle: RequestHandle, drafter: Drafter | None, monitor, device, decode):
+        r = handle.request
+        self.handle = handle
+        self.ids = torch.tensor([r.prompt_ids], dtype=torch.long, device=device)  # committed tokens
+        self.sampling = SamplingParams(r.temperature, r.top_k, r.top_p)
+        self.gen = torch.Generator(device=device)
+        if r.seed is not None:
+            self.gen.manual_seed(r.seed)
+        else:
+            self.gen.seed()
+        self.drafter = drafter
+        self.monitor = monitor
+        self.detok = IncrementalDetokenizer(decode)
+        self.stats = RequestStats()
+        self.emitted = 0
+        self.started = time.perf_counter()
+        self.last_token_at: float | None = None
+
+
+class NullMetrics:
+    """The hooks :class:`ServingEngine` calls; the server passes Prometheus-backed ones."""
+
+    def step(self, batch: int, queue_depth: int, speculating: int, seconds: float) -> None: ...
+    def drafts(self, drafted: int, accepted: int, depth: int) -> None: ...
+    def tokens(self, n: int, first: bool, seconds_since_last: float | None) -> None: ...
+    def finished(self, reason: str, prompt_tokens: int, stats: RequestStats) -> None: ...
+
+
+class ServingEngine:
+    """Serve ``target`` (an :class:`~specfoundry.runtime.engine.EngineTarget`) with ``drafter``
+    (None: plain decoding) to concurrent requests; see the module docstring.
+
+    ``max_batch`` sequences decode together; ``max_queue`` more may wait; ``max_context`` bounds
+    prompt + new tokens per request (default: the model's context, at most 4096);
+    ``speculation_table`` overrides the load-aware depth (``"1-4:3,5-8:1,9-:0"``).
+    """
+
+    def __init__(self, target: EngineTarget, drafter: Drafter | None = None, *, max_batch: int = 8,
+                 max_queue: int = 64, max_context: int | None = None, max_depth: int | None = None,
+                 speculation_table: str | None = None, metrics=None, cost_curve: dict | None = None):
+        if not isinstance(target, EngineTarget):
+            raise ValueError("serving needs a target on the engine backend (a Llama-family model; "
+                             "load it with backend='engine')")
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError(f"max_batch ({max_batch}) must be >= 1 and max_queue ({max_queue}) >= 0")
+        self.target = target
+        self.drafter = drafter
+        self.max_batch, self.max_queue = max_batch, max_queue
+        model_ctx = int(getattr(target.config, "max_position_embeddings", 4096) or 4096)
+        self.max_context = min(max_context or min(model_ctx, 4096), model_ctx)
+        depth = (drafter.default_depth if drafter is not None else 0) if max_depth is None else max_depth
+        if not 0 <= depth <= 16:
+            raise ValueError(f"max_depth must be in 0..16, got {depth}")
+        self.max_depth = depth if drafter is not None else 0
+        self.feature_layers = tuple(drafter.feature_layers) if drafter is not None else ()
+        curve = cost_curve if cost_curve is not None else (target.cost_curve() if self.max_depth else None)
+        self.policy = SpeculationPolicy(self.max_depth, curve, speculation_table)
+        self.metrics = metrics or NullMetrics()
+        self.engine = target._engine()
+        # a row holds a whole request plus one step's draft nodes
+        self.slots = SlotCache(self.engine, max_batch, self.max_context + self.max_depth + 2)
+        self._waiting: deque[RequestHandle] = deque()
+        self._seqs: list[_Seq] = []
+        self._lock = threading.Condition()
+        self._ids = itertools.count(1)
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # -- public, any thread ------------------------------------------------------------------
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        """Queue ``request``; events go to the returned handle (to ``loop`` for asyncio callers).
+        Raises ValueError for an invalid request and :class:`QueueFull` when the queue is full."""
+        self._validate(request)
+        handle = RequestHandle(next(self._ids), request, loop)
+        with self._lock:
+            if self._stop:
+                raise RuntimeError("the serving engine is closed")
+            if len(self._waiting) >= self.max_queue + max(0, self.max_batch - len(self._seqs)):
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue})")
+            self._waiting.append(handle)
+            self._lock.notify()
+        self._ensure_thread()
+        return handle
+
+    def generate(self, request: Request) -> tuple[list[int], str, Event]:
+        """Submit and wait: (token ids, text, last event)."""
+        return self.submit(request).result()
+
+    def load(self) -> dict:
+        with self._lock:
+            return {"running": len(self._seqs), "waiting": len(self._waiting), "max_batch": self.max_batch,
+                    "max_queue": self.max_queue}
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; waiting and running requests finish as "cancelled"."""
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _validate(self, r: Request) -> None:
+        ids = r.prompt_ids
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError("prompt_ids must be a non-empty list of token ids (int)")
+        vocab = self.target.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {r.max_new_tokens!r}")
+        if len(ids) + r.max_new_tokens > self.max_context:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({r.max_new_tokens}) exceeds the "
+                             f"context of {self.max_context} tokens")
+        if not isinstance(r.temperature, (int, float)) or not math.isfinite(r.temperature) or not 0 <= r.temperature <= 100:
+            raise ValueError(f"temperature must be a number in [0, 100], got {r.temperature!r}")
+        if r.top_p is not None and (not isinstance(r.top_p, (int, float)) or not 0 < r.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {r.top_p!r}")
+        if r.top_k is not None and (not isinstance(r.top_k, int) or isinstance(r.top_k, bool) or r.top_k < 1):
+            raise ValueError(f"top_k must be an integer >= 1, got {r.top_k!r}")
+        if r.seed is not None and (not isinstance(r.seed, int) or isinstance(r.seed, bool)):
+            raise ValueError(f"seed must be an integer, got {r.seed!r}")
+
+    def _ensure_thread(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="specfoundry-serving", daemon=True)
+                self._thread.start()
+
+    # -- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stop and not self._waiting and not self._seqs:
+                        self._lock.wait()
+                    if self._stop:
+                        break
+                    admit = []
+                    while self._waiting and len(self._seqs) + len(admit) < self.max_batch:
+                        admit.append(self._waiting.popleft())
+                    queued = len(self._waiting)
+                for handle in admit:
+                    self._admit(handle)
+                self._drop_cancelled()
+                if self._seqs:
+                    self._step(queued)
+        except Exception as e:  # a bug must not leave clients waiting forever
+            msg = f"{type(e).__name__}: {e}"
+            for s in list(self._seqs):
+                s.handle._put(Event([], "", "error", error=msg))
+            with self._lock:
+                self._stop = True
+            raise
+        finally:
+            with self._lock:
+                waiting, self._waiting = list(self._waiting), deque()
+            for h in waiting:
+                h._put(Event([], "", "cancelled"))
+            for s in self._seqs:
+                if not s.handle.finished.is_set():
+                    s.handle._put(Event([], "", "cancelled", stats=s.stats.as_dict()))
+
+    @torch.inference_mode()
+    def _admit(self, handle: RequestHandle) -> None:
+        if handle.cancelled.is_set():
+            handle._put(Event([], "", "cancelled"))
+            return
+        r = handle.request
+        drafter = self.drafter.fork() if (self.drafter is not None and r.speculate and self.max_depth) else None
+        seq = _Seq(handle, drafter, self.policy.monitor(drafter is not None), self.engine.device, self.target.decode)
+        seq.stats.queued_seconds = seq.started - handle.submitted
+        row = self.slots.add()
+        ids = seq.ids
+        if ids.shape[1] > 1:
+            view = self.slots.row_cache(row)
+            out = self.target.forward(ids[:, :-1], view, feature_layers=self.feature_layers,
+                                      logits_for=torch.zeros(0, dtype=torch.long))
+            view.commit()
+            self.slots.set_length(row, view.length)
+            features = out.features
+        else:
+            features = torch.zeros(1, 0, len(self.feature_layers), self.target.hidden_size, dtype=self.target.dtype)
+        if drafter is not None:
+            drafter.begin(ids, features if self.feature_layers else None)
+        self._seqs.append(seq)
+
+    def _drop_cancelled(self) -> None:
+        for row in range(len(self._seqs) - 1, -1, -1):
+            if self._seqs[row].handle.cancelled.is_set():
+                self._finish(row, "cancelled")
+
+    def _finish(self, row: int, reason: str) -> None:
+        seq = self._seqs[row]
+        seq.stats.seconds = time.perf_counter() - seq.handle.submitted
+        tail = seq.detok.flush() if reason != "cancelled" else ""
+        seq.handle._put(Event([], tail, reason, stats=seq.stats.as_dict()))
+        self.metrics.finished(reason, len(seq.handle.request.prompt_ids), seq.stats)
+        moved = self.slots.remove(row)
+        last = self._seqs.pop()
+        if moved is not None:
+            self._seqs[row] = last
+
+    @torch.inference_mode()
+    def _step(self, queued: int) -> None:
+        seqs, dev = self._seqs, self.engine.device
+        t0 = time.perf_counter()
+        depths = self.policy.choose([s.monitor if s.drafter is not None else _OFF for s in seqs])
+        drafts = []
+        for s, k in zip(seqs, depths):
+            if k > 0:
+                drafts.append(s.drafter.propose(DraftContext(s.ids, s.sampling, k, k + 1, s.gen)))
+            else:
+                drafts.append(Draft.root_only(s.ids[:, -1]))
+        t1 = time.perf_counter()
+        B, N = len(seqs), max(d.num_nodes for d in drafts)
+        tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
+        positions = torch.zeros(B, N, dtype=torch.long, device=dev)
+        block = torch.eye(N, dtype=torch.bool, device=dev).repeat(B, 1, 1)  # padding sees itself only
+        for b, d in enumerate(drafts):
+            n = d.num_nodes
+            tokens[b, :n] = d.tokens[0]
+            positions[b] = self.slots.lengths[b]
+            positions[b, :n] += tree_depths(d.parents)[0]
+            if n > 1:
+                block[b, :n, :n] = ancestor_matrix(d.parents)[0]
+        out = forward_slots(self.slots, tokens, positions, block, self.feature_layers)
+        keeps, news, accepted = [], [], []
+        for b, (s, d) in enumerate(zip(seqs, drafts)):
+            n = d.num_nodes
+            res = verify(d, out.logits[b: b + 1, :n], s.sampling, s.gen)
+            path = res.path[0]
+            path = path[path >= 0]
+            keeps.append(path)
+            news.append(torch.cat([d.tokens[0, path[1:]], res.next_token.view(1)]).view(1, -1))
+            accepted.append(int(res.accept_len[0]))
+        self.slots.commit(keeps)
+        t2 = time.perf_counter()
+        for b, (s, d) in enumerate(zip(seqs, drafts)):
+            if s.drafter is not None:  # told of every continuation, drafted or not
+                s.drafter.commit(news[b], out.features[b: b + 1, keeps[b]] if out.features is not None else None)
+        t3 = time.perf_counter()
+        drafted = sum(d.num_nodes - 1 for d in drafts)
+        self.policy.record_step(t2 - t1, B * N, (t1 - t0) + (t3 - t2), drafted)
+        self.steps += 1
+        self.metrics.step(B, queued, sum(1 for k in depths if k), t3 - t0)
+        finished = []
+        now = time.perf_counter()
+        for b, (s, d) in enumerate(zip(seqs, drafts)):
+            self._emit(b, s, d, depths[b], accepted[b], news[b], now, finished)
+        for row, reason in sorted(finished, reverse=True):
+            self._finish(row, reason)
+
+    def _emit(self, b: int, s: _Seq, d: Draft, depth: int, n_acc: int, new: torch.Tensor, now: float,
+              finished: list) -> None:
+        n_drafted = d.num_nodes - 1
+        depth_drafted = int(tree_depths(d.parents).max()) if n_drafted else 0
+        if s.drafter is not None:
+            self.policy.record(s.monitor, depth_drafted, n_acc)
+        st = s.stats
+        st.target_forwards += 1
+        st.drafted += n_drafted
+        st.accepted += n_acc
+        if n_drafted:
+            st.speculative_steps += 1
+            self.metrics.drafts(n_drafted, n_acc, depth_drafted)
+            while len(st.drafted_by_position) < depth_drafted:
+                st.drafted_by_position.append(0)
+                st.accepted_by_position.append(0)
+            for j in range(depth_drafted):
+                st.drafted_by_position[j] += 1
+                st.accepted_by_position[j] += int(j < n_acc)
+        s.ids = torch.cat([s.ids, new], dim=1)
+        r = s.handle.request
+        step_tokens = new[0].tolist()[: r.max_new_tokens - s.emitted]
+        eos = self.target.eos_token_ids if r.stop_at_eos else ()
+        reason = None
+        for i, t in enumerate(step_tokens):
+            if t in eos:
+                step_tokens, reason = step_tokens[: i + 1], "stop"
+                break
+        s.emitted += len(step_tokens)
+        st.new_tokens = s.emitted
+        if reason is None and s.emitted >= r.max_new_tokens:
+            reason = "length"
+        first = s.last_token_at is None
+        if first:
+            st.ttft_seconds = now - s.handle.submitted
+        self.metrics.tokens(len(step_tokens), first, None if first else now - s.last_token_at)
+        s.last_token_at = now
+        text = s.detok.push(step_tokens)
+        if step_tokens or text:
+            s.handle._put(Event(step_tokens, text))
+        if reason is not None:
+            finished.append((b, reason))
+
+
+class _Off:
+    """The monitor of a sequence without a drafter."""
+
+    speculating = False
+
+    def acceptance(self, prior):
+        return prior
+
+
+_OFF = _Off()

@@ -1,0 +1,145 @@
+"""KV slots for continuous batching on the engine: sequences of unequal length in one cache.
+
+Scope: the cache layout of the serving batch and the one batched forward that runs over it
+(nothing about requests or scheduling; see :mod:`.scheduler`).
+
+:class:`SlotCache` keeps ``[layers, 2, slots, kv_heads, capacity, head_dim]``; the active
+sequences always occupy rows ``0 .. active-1`` (a leaving sequence's row is refilled with the
+last row, one copy of that row's committed entries), so every batched step works on a view.
+Each row has its own committed length: a step writes row ``b``'s ``n`` new tokens (a padded
+draft tree, or one token for plain decoding) at ``length[b] .. length[b]+n`` and attends with a
+per-row mask (the row's prefix plus its own tree block). :meth:`SlotCache.commit` keeps the
+accepted nodes of every row with one indexed copy of only the entries that move.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine import LlamaEngine, StaticKVCache, grouped_attention
+from ..target import TargetOutput
+
+
+class SlotCache:
+    """KV for up to ``slots`` sequences of at most ``capacity`` tokens each (see the module doc)."""
+
+    def __init__(self, engine: LlamaEngine, slots: int, capacity: int):
+        if slots < 1 or capacity < 2:
+            raise ValueError(f"slots ({slots}) must be >= 1 and capacity ({capacity}) >= 2")
+        self.engine = engine
+        with torch.inference_mode():
+            self.kv = torch.zeros(engine.num_layers, 2, slots, engine.hkv, capacity, engine.head_dim,
+                                  dtype=engine.dtype, device=engine.device)
+        self.lengths: list[int] = [0] * slots
+        self.active = 0
+
+    @property
+    def slots(self) -> int:
+        return self.kv.shape[2]
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[4]
+
+    def add(self) -> int:
+        """Open the next row for a new sequence (empty); returns its index."""
+        if self.active >= self.slots:
+            raise RuntimeError("no free slot")
+        row = self.active
+        self.active += 1
+        self.lengths[row] = 0
+        return row
+
+    def row_cache(self, row: int) -> StaticKVCache:
+        """A :class:`StaticKVCache` view of one row (batch 1) for the engine's ordinary forward,
+        e.g. a prefill; writes land in this cache. Its committed length is the row's."""
+        view = StaticKVCache(self.engine.num_layers, self.engine.hkv, self.engine.head_dim, capacity=0,
+                             dtype=self.kv.dtype, device=self.kv.device)
+        view.kv = self.kv[:, :, row: row + 1]
+        view.length = self.lengths[row]
+        return view
+
+    def set_length(self, row: int, length: int) -> None:
+        self.lengths[row] = length
+
+    @torch.inference_mode()
+    def remove(self, row: int) -> int | None:
+        """Free ``row``; the last active row moves into it. Returns the moved row's old index (the
+        caller re-keys its per-row state) or None when ``row`` was the last."""
+        last = self.active - 1
+        if not 0 <= row <= last:
+            raise IndexError(f"row {row} is not active ({self.active} active)")
+        self.active = last
+        if row == last:
+            return None
+        n = self.lengths[last]
+        self.kv[:, :, row, :, :n] = self.kv[:, :, last, :, :n]
+        self.lengths[row] = n
+        return last
+
+    @torch.inference_mode()
+    def commit(self, keeps: list[torch.Tensor]) -> None:
+        """After :func:`forward_slots`: row ``b`` keeps its new entries ``keeps[b]`` (sorted indices
+        into that row's new tokens). Entries already in place stay; the rest move in one copy."""
+        rows, src, dst = [], [], []
+        for b, keep in enumerate(keeps):
+            keep = keep.tolist()
+            base = self.lengths[b]
+            for j, k in enumerate(keep):
+                if k != j:
+                    rows.append(b)
+                    src.append(base + k)
+                    dst.append(base + j)
+            self.lengths[b] = base + len(keep)
+        if rows:
+            r = torch.tensor(rows, device=self.kv.device)
+            self.kv[:, :, r, :, torch.tensor(dst, device=self.kv.device)] = \
+                self.kv[:, :, r, :, torch.tensor(src, device=self.kv.device)]
+
+
+def row_mask(lengths: torch.Tensor, block: torch.Tensor, groups: int) -> torch.Tensor:
+    """Bool ``[B, 1, g*n, max(lengths)+n]``: row ``b`` sees its own ``lengths[b]`` committed entries
+    and, over its new entries at ``lengths[b] .. lengths[b]+n``, what ``block`` ``[B, n, n]`` allows."""
+    B, n = block.shape[0], block.shape[1]
+    cols = int(lengths.max()) + n
+    col = torch.arange(cols, device=block.device)
+    m = (col.view(1, 1, cols) < lengths.view(B, 1, 1)).expand(B, n, cols).clone()
+    write = lengths.view(B, 1) + torch.arange(n, device=block.device)
+    m.scatter_(2, write.view(B, 1, n).expand(B, n, n), block)
+    return m.repeat(1, groups, 1).unsqueeze(1)
+
+
+@torch.inference_mode()
+def forward_slots(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor,
+                  block: torch.Tensor | None = None, feature_layers: tuple[int, ...] = ()) -> TargetOutput:
+    """One batched step over the ``B = cache.active`` rows: ``tokens``/``positions`` ``[B, n]``,
+    ``block`` ``[B, n, n]`` bool tree masks among each row's new tokens (None = causal). The new
+    entries are written after each row's committed length; :meth:`SlotCache.commit` keeps some."""
+    engine = cache.engine
+    B, n = tokens.shape
+    if B != cache.active:
+        raise ValueError(f"{B} rows of tokens for {cache.active} active slots")
+    lengths = torch.tensor(cache.lengths[:B], device=engine.device)
+    if int(lengths.max()) + n > cache.capacity:
+        raise ValueError(f"a row would exceed the slot capacity ({cache.capacity} tokens)")
+    if block is None:
+        block = torch.ones(n, n, dtype=torch.bool, device=engine.device).tril().expand(B, n, n)
+    uniform = bool((lengths == lengths[0]).all())
+    if uniform and n == 1:
+        mask = None  # every row at the same length, one token each: plain causal attention
+    else:
+        mask = row_mask(lengths, block.to(engine.device), engine.groups)
+    cols = int(lengths.max()) + n
+    rows = torch.arange(B, device=engine.device).view(B, 1).expand(B, n)
+    write = lengths.view(B, 1) + torch.arange(n, device=engine.device)
+    kv = cache.kv
+    cos, sin = engine.rope(positions.to(engine.device))
+
+    def attention(i, q, k, v):
+        layer = kv[i]
+        layer[0][rows, :, write] = k  # [B, n, hkv, D] at each row's own columns
+        layer[1][rows, :, write] = v
+        return grouped_attention(q, layer[0, :B, :, :cols], layer[1, :B, :, :cols], mask, engine.scale)
+
+    x, feats = engine.run_layers(tokens, cos, sin, attention, feature_layers)
+    return engine.finish(x, feats, feature_layers, None)
