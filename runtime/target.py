@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from .chat import encode_chat
+
 
 @dataclass
 class TargetOutput:
@@ -101,15 +103,11 @@ class ChatTokenizerMixin:
     tokenizer = None
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The conversation in the chat template, ending with the assistant header; message
+        content is encoded as text, so it can never produce control tokens (:mod:`.chat`)."""
         if self.tokenizer is None:
             raise ValueError("this target has no tokenizer; pass prompt token ids instead")
-        if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return list(ids)
-        text = "\n".join(m["content"] for m in messages)
-        return self.tokenizer(text)["input_ids"]
+        return encode_chat(self.tokenizer, messages, add_generation_prompt=True)
 
     def decode(self, ids) -> str:
         if self.tokenizer is None:

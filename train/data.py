@@ -6,7 +6,8 @@ Scope:
   cache, finished rows dropped from the batch, greedy or temperature/top-p sampling). Both the
   Magpie prompt writer (:mod:`.prompts`) and response self-distillation use it.
 - :class:`ChatFormat`: the target's chat template as token ids — the templated prompt, the
-  user-turn prefix Magpie feeds the model, and the tokens that end a turn. Targets without a
+  user-turn prefix Magpie feeds the model, and the tokens that end a turn — through the runtime's
+  one chat encoder (:mod:`specfoundry.runtime.chat`: content is encoded as text). Targets without a
   tokenizer (tiny test models) get a fixed toy template over raw ids.
 - :func:`self_distill`: the target answers every prompt; results are written chunk by chunk as
   ``datasets`` shards under a cache directory whose names hash the target, the generation
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+
+from specfoundry.runtime.chat import encode_chat, encode_text
 
 _SENTINEL = "\u2063SPECFOUNDRY\u2063"  # invisible separator: cannot clash with real text
 
@@ -336,16 +339,11 @@ class ChatFormat:
                 [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}])
 
     # -- helpers -----------------------------------------------------------------------------
-    def _render(self, messages, add_generation_prompt=False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-    def _encode_plain(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
     def _token_after_sentinel(self, messages) -> int | None:
-        text = self._render(messages)
+        # template text only (what follows the last message's content): control strings count
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
         after = text.split(_SENTINEL, 1)[1]
-        ids = self._encode_plain(after)
+        ids = list(self.tokenizer(after, add_special_tokens=False)["input_ids"])
         return ids[0] if ids else None
 
     def _toy_encode(self, text: str) -> list[int]:
@@ -368,7 +366,7 @@ class ChatFormat:
         if not self.has_template:
             return [self.TOY_USER, *self._toy_encode(prompt), self.TOY_END, self.TOY_ASSISTANT]
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return self._encode_plain(self._render(msgs, add_generation_prompt=True))
+        return encode_chat(self.tokenizer, msgs, add_generation_prompt=True)
 
     def user_prefix_ids(self, system: str | None = None) -> list[int]:
         """Everything before the user's text in a templated conversation (the Magpie prefix).
@@ -379,7 +377,7 @@ class ChatFormat:
                 pre = [self.TOY_USER, *self._toy_encode(system), self.TOY_END, self.TOY_USER]
             return pre
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _SENTINEL}]
-        return self._encode_plain(self._render(msgs).split(_SENTINEL, 1)[0])
+        return encode_chat(self.tokenizer, msgs, add_generation_prompt=False, stop_before_content_of=len(msgs) - 1)
 
     def _stop_ids(self, end_of_turn: int | None) -> list[int]:
         ids = set(self.target.eos_token_ids)
@@ -400,8 +398,9 @@ class ChatFormat:
         return self._stop_ids(self._end_of_assistant)
 
     def encode_text(self, text: str) -> list[int]:
-        """Plain text -> ids, no special tokens (for continuing a templated prefix)."""
-        return self._encode_plain(text) if self.has_template else self._toy_encode(text)
+        """Plain text -> ids, no special tokens (for continuing a templated prefix); control
+        strings in ``text`` stay text."""
+        return encode_text(self.tokenizer, text) if self.has_template else self._toy_encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         if not self.has_template:
