@@ -208,7 +208,8 @@ class ServingEngine:
         self.max_depth = depth if drafter is not None else 0
         self.feature_layers = tuple(drafter.feature_layers) if drafter is not None else ()
         curve = cost_curve if cost_curve is not None else (target.cost_curve() if self.max_depth else None)
-        self.policy = SpeculationPolicy(self.max_depth, curve, speculation_table)
+        # without a drafter there is nothing to tabulate: every step is plain
+        self.policy = SpeculationPolicy(self.max_depth, curve, speculation_table if self.max_depth else None)
         self.metrics = metrics or NullMetrics()
         self.engine = target._engine()
         # a row holds a whole request plus one step's draft nodes

@@ -1,0 +1,217 @@
+"""The serving engine: slot cache, batched lossless speculative decoding, load-aware policy.
+
+Tiny float64 Llamas (exact); the HTTP server on top is tested in test_server.py.
+"""
+
+import threading
+
+import pytest
+import torch
+
+from test_sampling_lossless import PROMPT, STEPS, exact_distribution, goodness_of_fit
+from tiny_models import perturbed_copy, tiny_llama
+from specfoundry.runtime import SpeculativeGenerator, load_drafter
+from specfoundry.runtime.drafters.draft import DraftModelDrafter
+from specfoundry.runtime.sampling import SamplingParams
+from specfoundry.runtime.serving import (AcceptanceMonitor, QueueFull, Request, ServingEngine, SlotCache,
+                                         SpeculationPolicy, forward_slots, parse_table)
+from specfoundry.runtime.tree import ancestor_matrix, tree_depths
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(1, vocab=64, layers=2)
+
+
+def prompts(n=8, lengths=(5, 9, 3, 17, 1, 12, 7, 30)):
+    return [[int(x) for x in torch.randint(0, 64, (lengths[i % len(lengths)],), generator=torch.Generator().manual_seed(i))]
+            for i in range(n)]
+
+
+def solo(target, ps, max_new_tokens=24):
+    g = SpeculativeGenerator(target, None)
+    return [g.generate(prompt_ids=p, max_new_tokens=max_new_tokens, stop_at_eos=False).token_ids for p in ps]
+
+
+def test_slot_forward_matches_solo_forwards_with_unequal_lengths_and_trees(target):
+    """Rows of different committed lengths, each with its own tree: one batched forward gives each
+    row the logits a solo forward of that row gives; committing random accepted paths and running a
+    second step still matches a fresh solo computation of the committed sequences."""
+    engine = target._engine()
+    gen = torch.Generator().manual_seed(0)
+    lens = [4, 11, 1]
+    seqs = [torch.randint(0, 64, (n,), generator=gen) for n in lens]
+    slots = SlotCache(engine, slots=4, capacity=64)
+    for s in seqs:
+        row = slots.add()
+        view = slots.row_cache(row)
+        target.forward(s.view(1, -1), view)
+        view.commit()
+        slots.set_length(row, view.length)
+    # trees: a chain of 3, a 5-node tree, root only (padded to 5 nodes)
+    parents = [torch.tensor([-1, 0, 1, 2]), torch.tensor([-1, 0, 0, 1, 2]), torch.tensor([-1])]
+    N = 5
+    tokens = torch.zeros(3, N, dtype=torch.long)
+    pos = torch.zeros(3, N, dtype=torch.long)
+    block = torch.eye(N, dtype=torch.bool).repeat(3, 1, 1)
+    drafts = []
+    for b, p in enumerate(parents):
+        n = p.numel()
+        t = torch.randint(0, 64, (n,), generator=gen)
+        drafts.append(t)
+        tokens[b, :n] = t
+        pos[b] = lens[b]
+        pos[b, :n] += tree_depths(p.view(1, -1))[0]
+        block[b, :n, :n] = ancestor_matrix(p.view(1, -1))[0]
+    out = forward_slots(slots, tokens, pos, block)
+    for b, p in enumerate(parents):
+        n = p.numel()
+        ref_cache = target.new_cache()
+        target.forward(seqs[b].view(1, -1), ref_cache)
+        ref_cache.commit()
+        ref = target.forward(drafts[b].view(1, -1), ref_cache, position_ids=(lens[b] + tree_depths(p.view(1, -1))),
+                             tree_mask=ancestor_matrix(p.view(1, -1)))
+        torch.testing.assert_close(out.logits[b, :n], ref.logits[0], rtol=1e-9, atol=1e-9)
+    keeps = [torch.tensor([0, 1, 2]), torch.tensor([0, 2, 4]), torch.tensor([0])]  # row 1: a non-contiguous path
+    slots.commit(keeps)
+    assert slots.lengths[:3] == [lens[0] + 3, lens[1] + 3, lens[2] + 1]
+    committed = [torch.cat([seqs[b], drafts[b][keeps[b]]]) for b in range(3)]
+    nxt = torch.randint(0, 64, (3, 1), generator=gen)
+    out2 = forward_slots(slots, nxt, torch.tensor(slots.lengths[:3]).view(3, 1))
+    for b in range(3):
+        ref = target.forward(torch.cat([committed[b], nxt[b]]).view(1, -1), target.new_cache())
+        torch.testing.assert_close(out2.logits[b, 0], ref.logits[0, -1], rtol=1e-9, atol=1e-9)
+    # a row leaving: the last row moves into its place and keeps its entries
+    slots.commit([torch.tensor([0])] * 3)
+    assert slots.remove(0) == 2 and slots.active == 2
+    out3 = forward_slots(slots, nxt[[2, 1]], torch.tensor(slots.lengths[:2]).view(2, 1))
+    ref = target.forward(torch.cat([committed[2], nxt[2], nxt[2]]).view(1, -1), target.new_cache())
+    torch.testing.assert_close(out3.logits[0, 0], ref.logits[0, -1], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("drafter", ["draft", "eagle3", "medusa", "ngram", None])
+def test_batched_greedy_equals_solo_under_load(target, drafter):
+    """More requests than slots, submitted from several threads, speculation forced on (table) or
+    chosen by the cost model: every request's greedy output is its solo output."""
+    if drafter == "draft":
+        d = DraftModelDrafter(perturbed_copy(target, 0.02), depth=4)
+    else:
+        d = load_drafter(drafter, target) if drafter else None
+    ps = prompts(10)
+    want = solo(target, ps)
+    for table in ("1-:3", None):
+        with ServingEngine(target, d, max_batch=4, max_queue=16, speculation_table=table) as eng:
+            handles = [None] * len(ps)
+
+            def submit(i):
+                handles[i] = eng.submit(Request(ps[i], max_new_tokens=24, stop_at_eos=False))
+
+            threads = [threading.Thread(target=submit, args=(i,)) for i in range(len(ps))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            got = [h.result() for h in handles]
+        assert [g[0] for g in got] == want
+        assert all(g[2].finish_reason == "length" for g in got)
+        if drafter == "draft" and table:
+            assert sum(g[2].stats["accepted"] for g in got) > 0  # speculation really ran
+
+
+def test_batched_sampling_keeps_the_target_distribution():
+    """Sampling under batching (8 requests in flight, drafts forced on): the distribution of a
+    request's first tokens is the target's (chi-square), and the same harness rejects a wrong one."""
+    V = 5
+    t = tiny_llama(3, vocab=V, hidden=16, layers=2, init_std=0.3)
+    params = SamplingParams(1.0)
+    exact = exact_distribution(t, params)
+    d = DraftModelDrafter(perturbed_copy(t, 0.5), depth=3)
+    n = 1500
+    counts = {}
+    with ServingEngine(t, d, max_batch=8, max_queue=n, speculation_table="1-:2") as eng:
+        hs = [eng.submit(Request(PROMPT, max_new_tokens=STEPS, temperature=1.0, seed=5000 + i, stop_at_eos=False))
+              for i in range(n)]
+        for h in hs:
+            key = tuple(h.result()[0])
+            counts[key] = counts.get(key, 0) + 1
+    p, tv = goodness_of_fit(exact, counts, n)
+    assert p > 1e-3, (p, tv)
+    # the check can fail: the draft model's own distribution is not the target's
+    wrong = exact_distribution(d.lm, params)
+    p_wrong, _ = goodness_of_fit({k: v for k, v in wrong.items()}, {k: c for k, c in counts.items() if wrong.get(k, 0) > 0}, n)
+    assert p_wrong < 1e-3
+
+
+def test_cancel_queue_bound_and_validation(target):
+    eng = ServingEngine(target, None, max_batch=1, max_queue=1)
+    try:
+        long = eng.submit(Request(prompts(1)[0], max_new_tokens=400, stop_at_eos=False))
+        waiting = eng.submit(Request([1, 2], max_new_tokens=3, stop_at_eos=False))
+        with pytest.raises(QueueFull):
+            for _ in range(3):
+                eng.submit(Request([1, 2], max_new_tokens=3))
+        long.cancel()
+        ids, _, last = long.result()
+        assert last.finish_reason == "cancelled" and len(ids) < 400
+        assert waiting.result()[2].finish_reason == "length"  # the freed slot served the next request
+        for bad, msg in [(Request([]), "non-empty"), (Request([64]), "0..63"), (Request([1], max_new_tokens=0), ">= 1"),
+                         (Request([1], temperature=float("nan")), "temperature"), (Request([1], top_p=0.0), "top_p"),
+                         (Request([1], top_k=0), "top_k"), (Request([1], max_new_tokens=10_000), "context")]:
+            with pytest.raises(ValueError, match=msg):
+                eng.submit(bad)
+    finally:
+        eng.close()
+
+
+def test_policy_turns_speculation_off_as_load_grows():
+    """Fake cost model: flat up to 8 rows, then linear (a CPU's compute-bound region). With 70%
+    acceptance, batch 1 drafts deep, batch 16 does not draft at all."""
+    policy = SpeculationPolicy(4, cost=lambda rows: max(1.0, rows / 8))
+    policy.prior = lambda: [0.75] * 4  # server-wide acceptance 0.75 at every depth
+    mons = [policy.monitor() for _ in range(16)]
+    assert policy.choose(mons[:1]) == [4]  # 5 rows cost what 1 does
+    assert policy.choose(mons[:2]) == [3, 3]  # 2 x 4 rows still do; 2 x 5 would not
+    assert policy.choose(mons) == [0] * 16
+    depths = [policy.best_depth(mons[:b]) for b in (1, 2, 4, 8, 16)]
+    assert depths == sorted(depths, reverse=True)  # never deeper under more load
+    # a table overrides the cost model; opted-out requests never draft
+    table = SpeculationPolicy(4, cost=lambda r: 1.0, table="1-2:3,3-:1")
+    off = table.monitor(speculate=False)
+    assert table.choose([table.monitor(), off]) == [3, 0]
+    assert table.choose([table.monitor() for _ in range(5)]) == [1] * 5
+
+
+def test_monitor_switches_a_request_off_and_reprobes():
+    policy = SpeculationPolicy(3, cost={1: 1.0, 2: 1.3, 4: 1.9}, window=8, reprobe=5, min_steps=4)
+    m = policy.monitor()
+    for _ in range(4):
+        assert m.speculating
+        policy.record(m, 3, 0)  # nothing accepted
+    assert not m.speculating and m.turned_off == 1
+    assert policy.choose([m]) == [0]
+    for _ in range(5):
+        policy.record(m, 0, 0)  # plain steps count down to the re-probe
+    assert m.speculating
+    good = policy.monitor()
+    for _ in range(8):
+        policy.record(good, 3, 3)
+    assert good.speculating and policy.best_depth([good]) == 3
+
+
+def test_speculation_table_parser():
+    assert parse_table("1-4:3,5-8:1,9-:0", 4) == [(1, 4, 3), (5, 8, 1), (9, 1 << 30, 0)]
+    assert parse_table("1:2", 4) == [(1, 1, 2)]
+    for bad in ("1-4", "a-b:1", "4-1:1", "1-:9", "0-3:1"):
+        with pytest.raises(ValueError, match="speculation table"):
+            parse_table(bad, 4)
+
+
+def test_monitor_acceptance_starts_at_the_prior():
+    m = AcceptanceMonitor(2)
+    assert m.acceptance([0.3, 0.2]) == [0.3, 0.2]
+    for _ in range(100):
+        m.record(2, 2)
+    # only the last 16 steps count, shrunk towards the prior with the weight of 4
+    assert m.acceptance([0.3, 0.2]) == pytest.approx([(16 + 4 * 0.3) / 20, (16 + 4 * 0.2) / 20])
