@@ -1,0 +1,266 @@
+"""``specfoundry bench-serve``: the OpenAI-compatible server under closed-loop load.
+
+Scope: load generation against real server processes on 127.0.0.1 and the report; nothing about
+how the server decodes. Two servers run side by side (loaded once, idle while the other is
+measured): one with the load-aware policy, one with speculation forced on (``--speculation-table
+1-:DEPTH``); "off" is the load-aware server with ``speculate: false`` on every request (same
+process, same weights). For each concurrency level the three modes run back to back, so their
+ratios come from one run on one machine state.
+
+Per mode and level: output tokens/s, request latency, time to first token and time per output
+token (p50/p99), τ from the responses' ``usage.speculative_decoding``. Every level is bounded in
+requests and seconds and stops by itself. ``--soak SECONDS`` adds a mixed-load run against the
+load-aware server (concurrency changing every 15 s, one stream in ten abandoned mid-way) that
+counts errors and reports the server's resident memory at start and end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from .prompts import load_prompts, select
+
+SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "eval" / "spec_bench" / "question.jsonl"
+DEFAULT_RUN = Path("runs/eagle3-smollm2-135m/speculator")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench-serve", help="throughput and latency of `specfoundry serve` vs concurrency "
+                                                  "(speculation off / on / load-aware), loopback only")
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--speculator", default=None,
+                   help=f"speculator for the server (default: {DEFAULT_RUN} when it exists, else ngram)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=2, help="torch threads of each server")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma list of closed-loop client counts")
+    p.add_argument("--requests", type=int, default=0,
+                   help="requests per mode and level (default: max(2 x concurrency, 6))")
+    p.add_argument("--level-seconds", type=float, default=120.0, help="time bound per mode and level")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--depth", type=int, default=3, help="draft depth of the always-on mode")
+    p.add_argument("--data", default=None, help="prompt JSONL (default: Spec-Bench when ../shared has it)")
+    p.add_argument("--modes", default="off,on,load-aware")
+    p.add_argument("--soak", type=float, default=0.0, help="seconds of mixed load after the sweep (0 = none)")
+    p.add_argument("--out", default=None, help="output directory (default: runs/bench-serve/<timestamp>)")
+    p.set_defaults(func=main)
+
+
+def _percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+async def _one(client, url: str, messages: list[dict], max_tokens: int, speculate: bool,
+               abandon_after: int | None = None) -> dict:
+    """One streamed chat completion; timings from the client's side."""
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "speculate": speculate}
+    t0 = time.perf_counter()
+    first = None
+    chunks = 0
+    usage = None
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("usage"):
+                usage = ev["usage"]
+            if ev.get("choices") and ev["choices"][0].get("delta", {}).get("content"):
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter()
+                if abandon_after is not None and chunks >= abandon_after:
+                    return {"abandoned": True}
+    end = time.perf_counter()
+    if usage is None:
+        return {"error": "no usage chunk"}
+    n = usage["completion_tokens"]
+    spec = usage.get("speculative_decoding") or {}
+    return {"tokens": n, "latency": end - t0, "ttft": (first or end) - t0,
+            "tpot": ((end - first) / (n - 1)) if first is not None and n > 1 else None,
+            "tau": spec.get("tau"), "forwards": spec.get("target_forwards")}
+
+
+async def _level(url: str, prompts: list[list[dict]], concurrency: int, requests: int, seconds: float,
+                 max_tokens: int, speculate: bool) -> dict:
+    """``concurrency`` closed-loop clients until ``requests`` finished or ``seconds`` passed."""
+    import httpx
+
+    results, errors = [], []
+    next_i = 0
+    deadline = time.perf_counter() + seconds
+    t0 = time.perf_counter()
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(seconds + 60), limits=limits) as client:
+        async def worker():
+            nonlocal next_i
+            while next_i < requests and time.perf_counter() < deadline:
+                i = next_i
+                next_i += 1
+                r = await _one(client, url, prompts[i % len(prompts)], max_tokens, speculate)
+                (errors if "error" in r else results).append(r)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in results)
+    forwards = sum(r["forwards"] or 0 for r in results)
+    return {
+        "concurrency": concurrency, "requests": len(results), "errors": len(errors), "error_samples": errors[:3],
+        "seconds": wall, "output_tok_s": tokens / wall if wall else 0.0,
+        "tau": tokens / forwards if forwards else None,
+        "latency_p50": _percentile([r["latency"] for r in results], 0.5),
+        "latency_p99": _percentile([r["latency"] for r in results], 0.99),
+        "ttft_p50": _percentile([r["ttft"] for r in results], 0.5),
+        "ttft_p99": _percentile([r["ttft"] for r in results], 0.99),
+        "tpot_p50": _percentile([r["tpot"] for r in results if r["tpot"]], 0.5),
+        "tpot_p99": _percentile([r["tpot"] for r in results if r["tpot"]], 0.99),
+    }
+
+
+async def _rss(client, url: str) -> float | None:
+    """The server's resident memory (MB) from its /metrics (process collector), if it reports it."""
+    r = await client.get(url + "/metrics")
+    for line in r.text.splitlines():
+        if line.startswith("process_resident_memory_bytes"):
+            return float(line.split()[-1]) / 2**20
+    return None
+
+
+async def _soak(url: str, prompts: list[list[dict]], seconds: float, max_tokens: int, max_c: int) -> dict:
+    """Mixed load for ``seconds``: concurrency redrawn every 15 s, one stream in ten abandoned."""
+    import httpx
+
+    rng = random.Random(0)
+    counts = {"completed": 0, "abandoned": 0, "errors": 0}
+    samples = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300)) as client:
+        rss_start = await _rss(client, url)
+        t_end = time.perf_counter() + seconds
+        i = 0
+        while time.perf_counter() < t_end:
+            c = rng.choice([1, 2, 4, max_c])
+            phase_end = min(t_end, time.perf_counter() + 15)
+
+            async def worker():
+                nonlocal i
+                while time.perf_counter() < phase_end:
+                    i += 1
+                    abandon = rng.randint(1, 4) if rng.random() < 0.1 else None
+                    r = await _one(client, url, prompts[i % len(prompts)], max_tokens, True, abandon)
+                    if "error" in r:
+                        counts["errors"] += 1
+                        samples.append(r["error"])
+                    else:
+                        counts["abandoned" if r.get("abandoned") else "completed"] += 1
+
+            await asyncio.gather(*(worker() for _ in range(c)))
+        await asyncio.sleep(1.0)  # let abandoned streams' slots free
+        health = (await client.get(url + "/health")).json()
+        rss_end = await _rss(client, url)
+    return {"seconds": seconds, **counts, "error_samples": samples[:3], "rss_start_mb": rss_start,
+            "rss_end_mb": rss_end, "health_after": health}
+
+
+def _plot(levels: dict, path: Path) -> Path | None:
+    try:
+        from .plots import _plt, _save
+        plt = _plt()
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for mode, rows in levels.items():
+        xs = [r["concurrency"] for r in rows]
+        axes[0].plot(xs, [r["output_tok_s"] for r in rows], marker="o", label=mode)
+        axes[1].plot(xs, [r["tpot_p50"] or 0 for r in rows], marker="o", label=mode)
+    for ax, title in zip(axes, ("output tokens/s vs concurrency", "time per output token p50 (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    return _save(plt, fig, path)
+
+
+def _table(levels: dict) -> str:
+    lines = ["| clients | mode | tok/s | vs off | τ | latency p50/p99 s | TTFT p50/p99 s | TPOT p50/p99 ms | done | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    conc = sorted({r["concurrency"] for rows in levels.values() for r in rows})
+    off = {r["concurrency"]: r["output_tok_s"] for r in levels.get("off", [])}
+
+    def f(x, s="{:.2f}"):
+        return "-" if x is None else s.format(x)
+
+    for c in conc:
+        for mode, rows in levels.items():
+            r = next((r for r in rows if r["concurrency"] == c), None)
+            if r is None:
+                continue
+            ratio = r["output_tok_s"] / off[c] if off.get(c) else None
+            lines.append(f"| {c} | {mode} | {r['output_tok_s']:.1f} | {f(ratio)}x | {f(r['tau'])} | "
+                         f"{f(r['latency_p50'])}/{f(r['latency_p99'])} | {f(r['ttft_p50'])}/{f(r['ttft_p99'])} | "
+                         f"{f(r['tpot_p50'] and r['tpot_p50'] * 1e3, '{:.1f}')}/{f(r['tpot_p99'] and r['tpot_p99'] * 1e3, '{:.1f}')} | "
+                         f"{r['requests']} | {r['errors']} |")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    from ..runtime.serving.launch import serve_subprocess
+
+    levels_c = [int(c) for c in args.concurrency.split(",")]
+    modes = [m.strip() for m in args.modes.split(",")]
+    unknown = set(modes) - {"off", "on", "load-aware"}
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {sorted(unknown)}: choose from off, on, load-aware")
+    speculator = args.speculator or (str(DEFAULT_RUN) if (DEFAULT_RUN / "config.json").exists() else "ngram")
+    data = args.data or (str(SPEC_BENCH) if SPEC_BENCH.exists() else None)
+    prompts = [[{"role": "user", "content": p.turns[0]}] for p in select(load_prompts(data), None, None)]
+    random.Random(0).shuffle(prompts)
+    out = Path(args.out or f"runs/bench-serve/{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    max_c = max(levels_c)
+    common = ["--target", args.target, "--speculator", speculator, "--dtype", args.dtype, "--threads",
+              str(args.threads), "--max-batch", str(max_c), "--max-queue", str(max_c)]
+    print(f"bench-serve: {args.target} ({args.dtype}, {args.threads} threads) + {speculator}; levels {levels_c}; "
+          f"modes {modes}; {len(prompts)} prompts from {data or 'the built-in set'}", flush=True)
+    from contextlib import ExitStack
+
+    levels: dict[str, list] = {m: [] for m in modes}
+    with ExitStack() as stack:
+        aware = stack.enter_context(serve_subprocess(common)) if {"off", "load-aware"} & set(modes) else None
+        on = stack.enter_context(serve_subprocess(common + ["--speculation-table", f"1-:{args.depth}"])) \
+            if "on" in modes else None
+        urls = {"off": aware, "on": on, "load-aware": aware}
+        # one warm-up request per server (first-call costs are not load)
+        for url in {u for u in urls.values() if u}:
+            asyncio.run(_level(url, prompts, 1, 1, 60, 8, True))
+        for c in levels_c:
+            n = args.requests or max(2 * c, 6)
+            for mode in modes:
+                row = asyncio.run(_level(urls[mode], prompts, c, n, args.level_seconds, args.max_tokens, mode != "off"))
+                levels[mode].append(row)
+                print(f"  {c:>3} clients  {mode:<10} {row['output_tok_s']:7.1f} tok/s  tau {row['tau'] or 0:.2f}  "
+                      f"done {row['requests']}  errors {row['errors']}", flush=True)
+        soak = asyncio.run(_soak(aware, prompts, args.soak, args.max_tokens, max_c)) if args.soak and aware else None
+    report = {"args": vars(args) | {"func": None}, "speculator": speculator, "levels": levels, "soak": soak}
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    md = [f"# bench-serve: {args.target} + {speculator}", "", _table(levels)]
+    if soak:
+        md += ["", f"soak {soak['seconds']:.0f} s: completed {soak['completed']}, abandoned {soak['abandoned']}, "
+                   f"errors {soak['errors']}, RSS {soak['rss_start_mb']} -> {soak['rss_end_mb']} MB"]
+    plot = _plot(levels, out / "throughput.png")
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md[2:]))
+    print(f"report: {out / 'report.md'}" + (f", plot: {plot}" if plot else ""))
+    errors = sum(r["errors"] for rows in levels.values() for r in rows) + (soak["errors"] if soak else 0)
+    return 1 if errors else 0
