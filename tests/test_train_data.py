@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("datasets")
 
 from specfoundry.train import data as tdata  # noqa: E402
+from specfoundry.train import generation as tgen  # noqa: E402
 from specfoundry.train.data import ChunkReport, build_dataset, make_example, self_distill  # noqa: E402
 from specfoundry.train.features import HiddenStateSource, batch_order  # noqa: E402
 from specfoundry.train.prompts import extract_prompt, load_prompts, magpie_prompts, read_prompt_file  # noqa: E402
@@ -129,7 +130,7 @@ def test_read_real_prompt_files_shared_data():
 
 def _count_generate_calls(monkeypatch, fail_on_call: int | None = None) -> list:
     calls = []
-    real = tdata.generate_batched
+    real = tgen.generate_batched
 
     def wrapped(*args, **kwargs):
         calls.append(len(args[1]))
@@ -137,7 +138,7 @@ def _count_generate_calls(monkeypatch, fail_on_call: int | None = None) -> list:
             raise KeyboardInterrupt("simulated kill")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tdata, "generate_batched", wrapped)
+    monkeypatch.setattr(tgen, "generate_batched", wrapped)
     return calls
 
 
@@ -214,24 +215,38 @@ def test_top_p_sampler_stays_in_the_nucleus():
         probs = torch.softmax(logits, -1)
         sp, si = probs.sort(-1, descending=True)
         nucleus = [set(si[r][(sp[r].cumsum(0) - sp[r]) < top_p].tolist()) for r in range(2)]
-        picks = torch.stack([tdata._sample(logits, 1.0, top_p, 0, g) for _ in range(300)])
+        picks = torch.stack([tgen._sample(logits, 1.0, top_p, 0, g) for _ in range(300)])
         for r in range(2):
             got = set(picks[:, r].tolist())
             assert got <= nucleus[r]
             assert len(got) > 1
-    assert torch.equal(tdata._sample(logits, 0.0, 0.9, 0, g), logits.argmax(-1))
+    assert torch.equal(tgen._sample(logits, 0.0, 0.9, 0, g), logits.argmax(-1))
 
     # plain temperature sampling draws from softmax(logits / T)
     small = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
-    draws = tdata._sample(small.expand(20000, 6), 0.7, 1.0, 0, g)
+    draws = tgen._sample(small.expand(20000, 6), 0.7, 1.0, 0, g)
     freq = torch.bincount(draws, minlength=6).double() / draws.numel()
     assert torch.allclose(freq, torch.softmax(small.double() / 0.7, -1), atol=0.015)
     # top-p on the same row keeps exactly the nucleus, renormalised
     p = torch.softmax(small.double() / 0.7, -1)
-    draws = tdata._sample(small.expand(20000, 6), 0.7, 0.8, 0, g)
+    draws = tgen._sample(small.expand(20000, 6), 0.7, 0.8, 0, g)
     freq = torch.bincount(draws, minlength=6).double() / draws.numel()
     nucleus = (p.cumsum(0) - p) < 0.8
     assert torch.allclose(freq, torch.where(nucleus, p, 0) / p[nucleus].sum(), atol=0.015)
+
+
+def test_data_sampler_draws_from_the_runtime_sampling_distribution():
+    # one sampling rule: data generation's fast sampler and runtime.sampling.probs_from_logits agree
+    from specfoundry.runtime.sampling import SamplingParams, probs_from_logits
+
+    g = torch.Generator().manual_seed(1)
+    row = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0])
+    for temperature, top_k, top_p in ((0.7, 0, 1.0), (1.0, 3, 1.0), (0.9, 0, 0.8), (1.3, 5, 0.9)):
+        want = probs_from_logits(row.double(), SamplingParams(temperature, top_k or None, top_p))
+        draws = tgen._sample(row.expand(20000, 7), temperature, top_p, top_k, g)
+        freq = torch.bincount(draws, minlength=7).double() / draws.numel()
+        assert torch.allclose(freq, want, atol=0.015), (temperature, top_k, top_p)
+        assert not bool(freq[want == 0].any())
 
 
 def test_eval_split_is_deterministic_disjoint_and_stable():

@@ -26,7 +26,10 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from . import generation as _generation
 from . import topics as _topics
+from .datacache import ChunkReport, GenStats, cached_chunks, dtype_name, model_fingerprint, resolve_dtype, stable_hash
+from .generation import ChatFormat, generation_model
 
 
 def _log(msg: str) -> None:
@@ -289,11 +292,6 @@ def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = N
     ``free_fraction`` (share of unseeded candidates), ``system_hints`` (also name the topic in
     the system message), ``round_size`` (candidates per cached round), ``filter``. Past
     ``deadline`` (``time.time()``) no new round starts (cached rounds are still read)."""
-    # imported here: data.py imports this module (build_dataset -> load_prompts)
-    from . import data as _data
-    from .data import ChatFormat, ChunkReport, GenStats, cached_chunks, dtype_name, model_fingerprint, \
-        generation_model, resolve_dtype, stable_hash
-
     cfg = {**MAGPIE_DEFAULTS, **cfg, "count": count}
     unknown = set(cfg) - set(MAGPIE_DEFAULTS)
     if unknown:
@@ -317,7 +315,7 @@ def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = N
                     for s in specs]
         n_pre = [len(chat.user_prefix_ids(s["system"])) for s in specs]
         # looked up on the module at call time, so tests can count or interrupt the calls
-        new, fin = _data.generate_batched(
+        new, fin = _generation.generate_batched(
             model, prefixes, max_new_tokens=cfg["max_prompt_tokens"], temperature=cfg["temperature"],
             top_p=cfg["top_p"], top_k=cfg["top_k"], stop_ids=stop, min_new_tokens=cfg["min_new_tokens"],
             batch_size=cfg["batch_size"], pad_id=chat.pad_id, seed=chunk_seed, progress="magpie prompts", stats=stats)
@@ -375,7 +373,7 @@ def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = N
     dropped = ", ".join(f"{v} {k}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]))
     _log(f"magpie: {kept}; dropped: {dropped or 'none'}; rounds generated {report.computed}, reused {report.reused}")
     if stats.seconds:
-        _data._log(f"magpie generation ({dtype_name(gen_dtype)}, batch {cfg['batch_size']}): {stats.summary()}")
+        _log(f"magpie generation ({dtype_name(gen_dtype)}, batch {cfg['batch_size']}): {stats.summary()}")
     if len(out) < count:
         _log(f"magpie: only {len(out)} of {count} prompts after {rnd} rounds (raise max_rounds or loosen filters)")
     return out

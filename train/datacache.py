@@ -1,0 +1,143 @@
+"""Identities and the content-addressed cache of the training data.
+
+Scope: :func:`stable_hash` and :func:`model_fingerprint` (what cache keys are made of), the
+dtype names the caches record (:func:`resolve_dtype`, :func:`dtype_name`), :class:`GenStats`
+(token counts and time of generation), and :func:`cached_chunks`: computing a list chunk by
+chunk into ``datasets`` shards named by the hash of what determines them, so a killed run
+resumes where it stopped and a changed input recomputes only the chunks that changed. Shards
+are written through the one atomic directory writer (:mod:`specfoundry.runtime.atomic`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from specfoundry.runtime.atomic import atomic_dir
+
+__all__ = ["stable_hash", "model_fingerprint", "resolve_dtype", "dtype_name", "GenStats", "ChunkReport",
+           "cached_chunks", "save_dataset_atomic"]
+
+
+def stable_hash(*parts) -> str:
+    """sha256 over the JSON of ``parts`` (sorted keys), hex."""
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(json.dumps(p, sort_keys=True, default=str, ensure_ascii=False).encode())
+        h.update(b"\x00")
+    return h.hexdigest()
+
+
+def model_fingerprint(target) -> str:
+    """Identity of a target for data caches: the runtime's weights fingerprint plus its config."""
+    h = hashlib.sha256(target.fingerprint().encode())
+    h.update(target.config.to_json_string(use_diff=False).encode() if hasattr(target.config, "to_json_string") else b"")
+    return h.hexdigest()[:16]
+
+
+def resolve_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+             "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
+    if str(dtype) not in names:
+        raise ValueError(f"unknown dtype {dtype!r} (use one of {sorted(names)})")
+    return names[str(dtype)]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass
+class GenStats:
+    """Token counts and wall time of generation calls (for throughput reports)."""
+
+    prompts: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: "GenStats") -> None:
+        self.prompts += other.prompts
+        self.prompt_tokens += other.prompt_tokens
+        self.new_tokens += other.new_tokens
+        self.seconds += other.seconds
+
+    @property
+    def new_tok_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> str:
+        return (f"{self.prompts} prompts, {self.prompt_tokens} prompt + {self.new_tokens} new tokens in "
+                f"{self.seconds:.1f}s: {self.new_tok_per_s:.0f} new tok/s, "
+                f"{(self.prompt_tokens + self.new_tokens) / max(self.seconds, 1e-9):.0f} total tok/s")
+
+
+def save_dataset_atomic(ds, out: Path) -> None:
+    """``ds.save_to_disk`` into a temporary sibling swapped in by :func:`~specfoundry.runtime.atomic.atomic_dir`:
+    ``out`` exists only complete. (``datasets``' own per-save progress bars are muted: one chunk
+    is not worth a bar.) ``out`` is a content-addressed cache entry, so an existing one is ours."""
+    import datasets
+
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        with atomic_dir(out, lambda p: True, "a dataset cache entry") as tmp:
+            ds.save_to_disk(str(tmp))
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
+@dataclass
+class ChunkReport:
+    computed: int = 0
+    reused: int = 0
+    skipped: int = 0  # not computed because the deadline had passed
+    stats: GenStats = field(default_factory=GenStats)
+
+
+def cached_chunks(root: Path | None, items: list, chunk_size: int, key_base: dict,
+                  compute: Callable[[list, int], dict[str, list]], desc: str = "chunks",
+                  report: ChunkReport | None = None, deadline: float | None = None):
+    """Apply ``compute(chunk, seed) -> columns`` to ``items`` chunk by chunk, saving each chunk as a
+    ``datasets`` shard in ``root/chunk-<hash>`` (hash of ``key_base`` + the chunk's items). Done
+    chunks are loaded instead of recomputed, so an interrupted run resumes; a shard appears by an
+    atomic rename only once it is complete. ``root=None`` computes without caching. Past
+    ``deadline`` (a ``time.time()`` value) no new chunk is started; cached ones are still used.
+    Returns the concatenated ``datasets.Dataset`` of the chunks available (None if none)."""
+    from datasets import Dataset, concatenate_datasets, load_from_disk
+    from tqdm.auto import tqdm
+
+    report = report if report is not None else ChunkReport()
+    parts = []
+    chunks = [items[i:i + chunk_size] for i in range(0, len(items), chunk_size)]
+    if root is not None:
+        root.mkdir(parents=True, exist_ok=True)
+    for chunk in tqdm(chunks, desc=desc, unit="chunk", disable=len(chunks) <= 1):
+        key = stable_hash(key_base, chunk)
+        d = root / f"chunk-{key[:20]}" if root is not None else None
+        cached = d is not None and (d / "dataset_info.json").exists()
+        if not cached and deadline is not None and time.time() > deadline:
+            report.skipped += 1
+            continue
+        if root is None:  # no cache: compute in memory
+            parts.append(Dataset.from_dict(compute(chunk, int(key[:8], 16))))
+            report.computed += 1
+            continue
+        if not cached:
+            save_dataset_atomic(Dataset.from_dict(compute(chunk, int(key[:8], 16))), d)
+            report.computed += 1
+        else:
+            report.reused += 1
+        parts.append(load_from_disk(str(d)))
+    if not parts:
+        return None
+    return concatenate_datasets(parts) if len(parts) > 1 else parts[0]
