@@ -65,4 +65,19 @@ def resolve_source(run: str | Path | None, target: str | None = None) -> ExportS
         tgt = load_target(name)
         module = load_target(str(spec_dir))
         kind = "draft"
+    check_module_finite(module, spec_dir)
     return ExportSource(run_dir, spec_dir, kind, tgt, module, trained)
+
+
+def check_module_finite(module, where) -> None:
+    """Refuse to export a speculator (head or draft LM) holding NaN/inf weights: every format
+    written from it would be unusable. Raises ``ValueError`` naming the tensor."""
+    import torch
+
+    net = getattr(module, "model", module) if isinstance(module, TargetModel) else module
+    for name, t in net.state_dict().items():
+        if torch.is_tensor(t) and t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                raise ValueError(f"{where}: tensor {name!r} holds {bad} non-finite value(s) (NaN/inf); refusing to "
+                                 "export corrupt or diverged weights")

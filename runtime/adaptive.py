@@ -22,7 +22,48 @@ verifier emits: greedy output and the sampling distribution are unaffected.
 
 from __future__ import annotations
 
+import bisect
+import math
+import numbers
+
 Shape = tuple[int, int]
+
+#: hard upper bounds on a draft's shape (depth below the root, nodes including the root) and on
+#: an EAGLE tree's branching: inputs (API, CLI, checkpoint ``config.json``) beyond them are
+#: refused. Generous for any real speculator (EAGLE-2/3 use depth <= 10, <= 64 nodes), small
+#: enough that one step's drafting, verification and controller work stay bounded.
+MAX_DRAFT_DEPTH = 32
+MAX_DRAFT_NODES = 256
+MAX_DRAFT_TOP_K = 64
+
+
+def check_int(name: str, value, lo: int, hi: int | None = None) -> int:
+    """``value`` as an int in ``[lo, hi]``, or one ValueError naming ``name`` (bools, floats and
+    strings are refused, not coerced)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r:.60}")
+    value = int(value)
+    if value < lo or (hi is not None and value > hi):
+        rng = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be {rng}, got {value}")
+    return int(value)
+
+
+def check_real(name: str, value, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False) -> float:
+    """``value`` as a finite float in the given range, or one ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r:.60}")
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}") from None
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be a finite number, got {x}")
+    if lo is not None and (x <= lo if lo_open else x < lo):
+        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {x}")
+    if hi is not None and x > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {x}")
+    return x
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -89,6 +130,9 @@ class AdaptiveController:
         self.shape_tokens: dict[Shape, list[float]] = {}  # shape -> [steps, tokens]
         self.steps = 0
         self.plain_streak = 0
+        # unit operations of the last choose() (acceptance terms and expected-token products): a
+        # per-step cost that is bounded because the depth and the shape list are
+        self.work = 0
 
     # -- estimates -------------------------------------------------------------------
     def acceptance(self) -> list[float]:
@@ -109,53 +153,82 @@ class AdaptiveController:
         (x0, y0), (x1, y1) = pts[-2:] if len(pts) > 1 else (pts[0], (pts[0][0] + 1, pts[0][1]))
         return y1 + max(y1 - y0, 0.0) / (x1 - x0) * (n - x1)
 
-    def verify_seconds(self, n: int) -> float | None:
+    def _verify_summary(self):
+        """Measured verification sizes, sorted, and the no-curve linear fit through them: one pass
+        over the measurements, shared by every shape a step compares."""
+        known = sorted((k, e.value) for k, e in self.verify_cost.items())
+        self.work += len(known)
+        fit = None
+        if len(known) > 1:
+            xs, ys = zip(*known)
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            var = sum((x - mx) ** 2 for x in xs)
+            fit = (mx, my, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0)
+        return known, [k for k, _ in known], fit
+
+    def verify_seconds(self, n: int, summary=None) -> float | None:
         if n in self.verify_cost:
             return self.verify_cost[n].value
-        known = sorted((k, e.value) for k, e in self.verify_cost.items())
+        known, xs, fit = summary if summary is not None else self._verify_summary()
         if not known:
             return None
-        near, secs = min(known, key=lambda kv: abs(kv[0] - n))
+        i = bisect.bisect_left(xs, n)  # the nearest measured size (the smaller one on a tie)
+        cands = [known[j] for j in (i - 1, i) if 0 <= j < len(known)]
+        near, secs = min(cands, key=lambda kv: abs(kv[0] - n))
         if self.cost_curve:
+            self.work += len(self.cost_curve)
             return secs * self._curve(n) / self._curve(near)
-        if len(known) == 1:
+        if fit is None:
             return secs
         # no curve: a linear fit through the measured sizes
-        xs, ys = zip(*known)
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+        mx, my, slope = fit
         return max(my + max(slope, 0.0) * (n - mx), 1e-6)
 
-    def draft_seconds(self, shape: Shape) -> float:
+    def _draft_summary(self) -> tuple[dict[int, float], tuple[int, float] | None]:
+        """(cheapest measured drafting time per depth, (deepest-largest measured shape's depth, its
+        time)): one pass over the measurements, shared by every shape a step compares."""
+        by_depth: dict[int, float] = {}
+        for (k, _), e in self.draft_cost.items():
+            by_depth[k] = min(by_depth.get(k, e.value), e.value)
+        self.work += len(self.draft_cost)
+        if not self.draft_cost:
+            return by_depth, None
+        (k, _), e = max(self.draft_cost.items())
+        return by_depth, (k, e.value)
+
+    def draft_seconds(self, shape: Shape, summary=None) -> float:
         if shape[0] == 0:
             return 0.0
         if shape in self.draft_cost:
             return self.draft_cost[shape].value
-        same_depth = [e.value for (k, _), e in self.draft_cost.items() if k == shape[0]]
-        if same_depth:
-            return min(same_depth)
-        if not self.draft_cost:
+        by_depth, deepest = summary if summary is not None else self._draft_summary()
+        if shape[0] in by_depth:
+            return by_depth[shape[0]]
+        if deepest is None:
             return 0.0
-        (k, _), e = max(self.draft_cost.items())
-        return e.value * shape[0] / k
+        k, secs = deepest
+        return secs * shape[0] / k
 
-    def tokens(self, shape: Shape) -> float:
-        """Expected new tokens per step of ``shape`` (prior blended with what it produced)."""
+    def tokens(self, shape: Shape, acceptance: list[float] | None = None) -> float:
+        """Expected new tokens per step of ``shape`` (prior blended with what it produced);
+        ``acceptance``: :meth:`acceptance`, when the caller already computed it."""
         k, n = shape
         if k == 0:
             return 1.0
         b = max(1.0, (n - 1) / k)
-        prior = expected_tokens([1 - (1 - a) ** b for a in self.acceptance()], k)
+        acceptance = self.acceptance() if acceptance is None else acceptance
+        self.work += k
+        prior = expected_tokens([1 - (1 - a) ** b for a in acceptance[:k]], k)
         steps, toks = self.shape_tokens.get(shape, (0, 0.0))
         strength = self.prior[1]
         return (prior * strength + toks) / (strength + steps)
 
-    def expected_rate(self, shape: Shape) -> float | None:
-        verify = self.verify_seconds(shape[1] if shape[0] else 1)
+    def expected_rate(self, shape: Shape, acceptance: list[float] | None = None, summary=None,
+                      verify_summary=None) -> float | None:
+        verify = self.verify_seconds(shape[1] if shape[0] else 1, verify_summary)
         if verify is None:
             return None
-        return self.tokens(shape) / (verify + self.draft_seconds(shape))
+        return self.tokens(shape, acceptance) / (verify + self.draft_seconds(shape, summary))
 
     # -- decisions -------------------------------------------------------------------
     def new_request(self) -> None:
@@ -167,6 +240,7 @@ class AdaptiveController:
         """The shape for the next step among ``shapes`` (the last one is the largest, used when
         the controller is disabled or still warming up)."""
         fixed = shapes[-1]
+        self.work = 0
         if not self.enabled or self.max_depth == 0:
             return fixed
         self.steps += 1
@@ -174,7 +248,10 @@ class AdaptiveController:
             return (0, 1)  # one plain step measures the single-token cost
         if self.steps <= self.warmup + 1:
             return fixed
-        rates = {s: self.expected_rate(s) for s in [(0, 1), *shapes]}
+        acceptance = self.acceptance()  # once per step, not once per shape
+        self.work += len(acceptance)
+        summary, vsummary = self._draft_summary(), self._verify_summary()
+        rates = {s: self.expected_rate(s, acceptance, summary, vsummary) for s in [(0, 1), *shapes]}
         if any(r is None for r in rates.values()):
             return fixed
         best = max(rates, key=lambda s: (rates[s], -s[1]))

@@ -47,14 +47,46 @@ def _fmt_stats(name: str, s) -> str:
             f"acceptance by position [{acc}]")
 
 
+def check_device(device: str) -> None:
+    """One sentence for a device this machine does not have (instead of a torch traceback later)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"--device {device!r} is not a device name (cpu, cuda, cuda:N, mps)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: CUDA is not available here (no GPU, or torch built without CUDA); "
+                             "use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: MPS is not available here; use --device cpu")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {device}: unsupported device type {dev.type!r} (cpu, cuda, mps)")
+
+
+def check_generate_args(args) -> None:
+    """Validate ``generate``'s flags before anything is loaded: one sentence per bad value."""
+    from .adaptive import MAX_DRAFT_DEPTH, MAX_DRAFT_NODES, check_int
+    from .sampling import SamplingParams
+
+    check_int("--max-new-tokens", args.max_new_tokens, 1)
+    SamplingParams(args.temperature, args.top_k, args.top_p)
+    check_int("--seed", args.seed, 0, 2**64 - 1)
+    if args.depth is not None:
+        check_int("--depth", args.depth, 1, MAX_DRAFT_DEPTH)
+    if args.nodes is not None:
+        check_int("--nodes", args.nodes, 2, MAX_DRAFT_NODES)
+    check_device(args.device)
+
+
 def _generate(args) -> int:
     from .generator import SpeculativeGenerator
     from .drafters import load_drafter
     from .lossless import compare_greedy
     from .models import load_target
 
-    if args.max_new_tokens < 1:
-        raise SystemExit("--max-new-tokens must be >= 1")
+    check_generate_args(args)
     target = load_target(args.target, device=args.device, dtype=DTYPES[args.dtype], backend=args.backend)
     drafter = load_drafter(args.drafter, target=target)
     gen = SpeculativeGenerator(target, drafter, max_depth=args.depth, max_nodes=args.nodes, adaptive=not args.no_adaptive)

@@ -4,17 +4,32 @@
 would produce at T=0 (and the target's distribution when sampling): every token it emits
 comes from :func:`~specfoundry.runtime.verify.verify`. ``speculate=False`` runs plain
 decoding through the same target path (each step a root-only draft).
+
+Inputs are validated at this boundary, each with one ``ValueError`` sentence: sampling values
+(:class:`~specfoundry.runtime.sampling.SamplingParams`), ``max_new_tokens``/``seed`` (integers),
+messages (string roles and contents), prompt ids (integers inside the vocabulary), the draft
+shape (``1 <= max_depth <= MAX_DRAFT_DEPTH``, ``2 <= max_nodes <= MAX_DRAFT_NODES``) and the
+context: prompt + ``max_new_tokens`` beyond the target's ``max_position_embeddings`` is an error
+unless ``context_overflow="truncate_prompt"`` asks to keep only the prompt's last tokens.
+
+Threads: one generator (or several sharing a target) runs one sequence at a time. Each
+``generate``/``stream`` holds the target's lock for the whole request, so threads sharing a
+generator are served one after another with the same outputs as alone; a stream holds it until
+it is exhausted or closed. The serving engine is the concurrent path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
 import torch
 
-from .adaptive import AcceptanceTally, AdaptiveController
+from .adaptive import MAX_DRAFT_DEPTH, MAX_DRAFT_NODES, AcceptanceTally, AdaptiveController, check_int
 from .drafters.base import DraftContext, Drafter
 from .sampling import SamplingParams
 from .target import TargetModel
@@ -95,66 +110,196 @@ class IncrementalDetokenizer:
         return text[len(before):]
 
 
+class _TargetLock:
+    """The lock serialising requests on one target, and the thread holding it (re-entry from the
+    same thread, e.g. a generate() inside an open stream, would deadlock: it is refused)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.owner: int | None = None
+
+
+_TARGET_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_TARGET_LOCKS_GUARD = threading.Lock()
+
+
+def _lock_for(target) -> _TargetLock:
+    with _TARGET_LOCKS_GUARD:
+        try:
+            lock = _TARGET_LOCKS.get(target)
+            if lock is None:
+                lock = _TARGET_LOCKS[target] = _TargetLock()
+            return lock
+        except TypeError:  # not weak-referenceable / hashable: a lock of its own
+            return _TargetLock()
+
+
+CONTEXT_OVERFLOW = ("error", "truncate_prompt")
+
+
 class SpeculativeGenerator:
     """Lossless speculative decoding of one sequence with ``target`` and ``drafter``.
 
-    ``max_depth``/``max_nodes`` cap the draft (default: the drafter's own); ``adaptive``
-    lets :class:`AdaptiveController` choose the depth per step from measured acceptance and
-    costs (turn it off for reproducible sampling runs with a fixed draft shape).
+    ``max_depth``/``max_nodes`` cap the draft (default: the drafter's own, at most
+    ``MAX_DRAFT_DEPTH``/``MAX_DRAFT_NODES``); ``adaptive`` lets :class:`AdaptiveController`
+    choose the depth per step from measured acceptance and costs (turn it off for reproducible
+    sampling runs with a fixed draft shape).
+
+    Thread safety: an instance may be shared between threads. Every ``generate``/``stream`` call
+    holds a lock of the target for the whole request (generators sharing one target share it),
+    so concurrent calls run one after another and each returns what it would alone; a stream
+    keeps the lock until it is exhausted or closed, and the same thread may not start another
+    request on that target meanwhile (``RuntimeError``). For concurrent sequences use the
+    serving engine.
     """
 
     def __init__(self, target: TargetModel, drafter: Drafter | None = None, *, max_depth: int | None = None,
                  max_nodes: int | None = None, adaptive: bool = True):
         self.target = target
         self.drafter = drafter
-        self.max_depth = max_depth if max_depth is not None else (drafter.default_depth if drafter else 0)
-        self.max_nodes = max_nodes if max_nodes is not None else (drafter.default_nodes if drafter else 1)
+        if max_depth is not None:
+            check_int("max_depth", max_depth, 1, MAX_DRAFT_DEPTH)  # 0 or less: pass speculate=False instead
+        if max_nodes is not None:
+            check_int("max_nodes", max_nodes, 2, MAX_DRAFT_NODES)  # the root and at least one draft
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"adaptive must be True or False, got {adaptive!r}")
+        self.max_depth = max_depth if max_depth is not None else \
+            (min(int(drafter.default_depth), MAX_DRAFT_DEPTH) if drafter else 0)
+        self.max_nodes = max_nodes if max_nodes is not None else \
+            (min(int(drafter.default_nodes), MAX_DRAFT_NODES) if drafter else 1)
         self.adaptive = adaptive
         self._control: AdaptiveController | None = None
+        self._lock = _lock_for(target)
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        tl, me = self._lock, threading.get_ident()
+        if tl.owner == me:
+            raise RuntimeError("this thread is already running a request on this target (an unfinished stream?): "
+                               "exhaust or close() it first; a target decodes one sequence at a time")
+        with tl.lock:
+            tl.owner = me
+            try:
+                yield
+            finally:
+                tl.owner = None
 
     # -- public API --------------------------------------------------------------------
     def generate(self, messages: list[dict] | None = None, *, prompt: str | None = None,
                  prompt_ids: list[int] | torch.Tensor | None = None, max_new_tokens: int = 128,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = 0, speculate: bool = True, stop_at_eos: bool = True) -> GenerationOutput:
+                 seed: int | None = 0, speculate: bool = True, stop_at_eos: bool = True,
+                 context_overflow: str = "error") -> GenerationOutput:
         ids: list[int] = []
         stats = None
-        prompt_list = self._prompt_ids(messages, prompt, prompt_ids)
-        for chunk in self._run(prompt_list, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed,
-                               speculate, stop_at_eos):
-            ids.extend(chunk.token_ids)
-            stats = chunk.stats
-        return GenerationOutput(ids, self.target.decode(ids) if ids else "", stats, prompt_list)
+        args = self._request(messages, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
+                             speculate, stop_at_eos, context_overflow)
+        with self._exclusive():
+            for chunk in self._run(*args):
+                ids.extend(chunk.token_ids)
+                stats = chunk.stats
+        return GenerationOutput(ids, self.target.decode(ids) if ids else "", stats, args[0])
 
     def stream(self, messages: list[dict] | None = None, *, prompt: str | None = None,
                prompt_ids: list[int] | torch.Tensor | None = None, max_new_tokens: int = 128,
                temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-               seed: int | None = 0, speculate: bool = True, stop_at_eos: bool = True) -> Iterator[StreamChunk]:
-        prompt_list = self._prompt_ids(messages, prompt, prompt_ids)
-        yield from self._run(prompt_list, max_new_tokens, SamplingParams(temperature, top_k, top_p), seed,
-                             speculate, stop_at_eos)
+               seed: int | None = 0, speculate: bool = True, stop_at_eos: bool = True,
+               context_overflow: str = "error") -> Iterator[StreamChunk]:
+        """Like :meth:`generate`, one :class:`StreamChunk` per step. Arguments are checked now;
+        the request runs (holding the target's lock) as the stream is consumed."""
+        args = self._request(messages, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
+                             speculate, stop_at_eos, context_overflow)
+
+        def run() -> Iterator[StreamChunk]:
+            with self._exclusive():
+                yield from self._run(*args)
+
+        return run()
 
     # -- internals ---------------------------------------------------------------------
+    def _request(self, messages, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, speculate,
+                 stop_at_eos, context_overflow) -> tuple:
+        """Validate one request's arguments: ``(prompt ids, max_new_tokens, sampling, seed,
+        speculate, stop_at_eos)`` for :meth:`_run`, or one ValueError."""
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+        sampling = SamplingParams(temperature, top_k, top_p)
+        if seed is not None:
+            seed = check_int("seed", seed, 0, 2**64 - 1)
+        for name, flag in (("speculate", speculate), ("stop_at_eos", stop_at_eos)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        if context_overflow not in CONTEXT_OVERFLOW:
+            raise ValueError(f"context_overflow must be one of {CONTEXT_OVERFLOW}, got {context_overflow!r}")
+        ids = self._prompt_ids(messages, prompt, prompt_ids)
+        limit = self.context_length
+        if limit is not None and len(ids) + max_new_tokens > limit:
+            if context_overflow == "truncate_prompt" and max_new_tokens < limit:
+                ids = ids[len(ids) + max_new_tokens - limit:]
+            else:
+                raise ValueError(
+                    f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} "
+                    f"exceeds the target's context of {limit} tokens (max_position_embeddings); shorten the prompt, "
+                    "lower max_new_tokens, or pass context_overflow='truncate_prompt' to keep the prompt's last tokens")
+        return ids, max_new_tokens, sampling, seed, speculate, stop_at_eos
+
+    @property
+    def context_length(self) -> int | None:
+        """The target's context (``config.max_position_embeddings``), None when it states none."""
+        cfg = getattr(self.target, "config", None) or getattr(getattr(self.target, "model", None), "config", None)
+        n = getattr(cfg, "max_position_embeddings", None)
+        return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
     def _prompt_ids(self, messages, prompt, prompt_ids) -> list[int]:
         given = [x is not None for x in (messages, prompt, prompt_ids)]
         if sum(given) != 1:
             raise ValueError("pass exactly one of messages=, prompt= or prompt_ids=")
         if messages is not None:
-            if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-                raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-            ids = self.target.encode_chat(messages)
+            if not isinstance(messages, (list, tuple)) or not messages:
+                raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts")
+            for i, m in enumerate(messages):
+                if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                    raise ValueError(f"messages[{i}] must be a {{'role': str, 'content': str}} dict, got {m!r:.80}")
+                if not isinstance(m["role"], str) or not m["role"]:
+                    raise ValueError(f"messages[{i}]['role'] must be a non-empty string, got {m['role']!r:.80}")
+                if not isinstance(m["content"], str):
+                    raise ValueError(f"messages[{i}]['content'] must be a string, got "
+                                     f"{type(m['content']).__name__} {m['content']!r:.80}")
+            ids = self.target.encode_chat(list(messages))
         elif prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__} {prompt!r:.80}")
             ids = self.target.encode_chat([{"role": "user", "content": prompt}])
         else:
-            ids = prompt_ids.view(-1).tolist() if isinstance(prompt_ids, torch.Tensor) else list(prompt_ids)
+            ids = self._check_ids(prompt_ids)
         if not ids:
             raise ValueError("the prompt is empty")
         return [int(i) for i in ids]
+
+    def _check_ids(self, prompt_ids) -> list[int]:
+        V = self.target.vocab_size
+        if isinstance(prompt_ids, torch.Tensor):
+            if prompt_ids.is_floating_point() or prompt_ids.is_complex() or prompt_ids.dtype == torch.bool:
+                raise ValueError(f"prompt_ids must hold integer token ids, got a {prompt_ids.dtype} tensor")
+            if prompt_ids.dim() > 2 or (prompt_ids.dim() == 2 and prompt_ids.shape[0] != 1):
+                raise ValueError(f"prompt_ids must be one sequence ([L] or [1, L]), got shape {tuple(prompt_ids.shape)}")
+            ids = prompt_ids.reshape(-1).tolist()
+        elif isinstance(prompt_ids, (list, tuple)):
+            ids = list(prompt_ids)
+            bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, int)), None)
+            if bad is not None:
+                raise ValueError(f"prompt_ids must be integers, got {type(bad).__name__} {bad!r:.40}")
+        else:
+            raise ValueError(f"prompt_ids must be a list of ints or an integer tensor, got {type(prompt_ids).__name__}")
+        out = [i for i in ids if not 0 <= i < V]
+        if out:
+            raise ValueError(f"prompt_ids holds {len(out)} id(s) outside the vocabulary [0, {V}), e.g. {out[0]}")
+        return ids
 
     def _run(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams, seed, speculate: bool,
              stop_at_eos: bool) -> Iterator[StreamChunk]:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        limit = self.context_length
         target, dev = self.target, self.target.device
         drafter = self.drafter if speculate else None
         gen = torch.Generator(device=dev)
@@ -200,6 +345,8 @@ class SpeculativeGenerator:
             t0 = time.perf_counter()
             shape = control.choose(shapes) if drafter is not None else (0, 1)
             depth = shape[0]
+            if limit is not None:  # no draft node past the last position the target knows
+                depth = max(0, min(depth, limit - ids.shape[1]))
             if depth > 0:
                 draft = drafter.propose(DraftContext(ids, sampling, depth, shape[1], gen))
             else:

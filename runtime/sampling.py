@@ -19,12 +19,15 @@ class SamplingParams:
     top_p: float | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p}")
+        # one sentence per bad value here, not a failure deep inside torch.multinomial
+        from .adaptive import check_int, check_real
+
+        object.__setattr__(self, "temperature", check_real("temperature", self.temperature, 0.0))
+        if self.top_k is not None:
+            object.__setattr__(self, "top_k", check_int("top_k", self.top_k, 1))
+        if self.top_p is not None:
+            top_p = check_real("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+            object.__setattr__(self, "top_p", top_p)
 
     @property
     def greedy(self) -> bool:

@@ -88,8 +88,20 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
 
     # clone: safetensors refuses shared or non-contiguous storage, and must not see live parameters
     clean = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    check_finite(clean.items(), path)
     save_file(clean, str(path), metadata={"format": "pt", **(metadata or {})})
     return len(clean)
+
+
+def check_finite(named_tensors, where) -> None:
+    """Refuse (:class:`ArtifactError`) to export non-finite weights: a serving engine would load
+    them and generate garbage."""
+    for name, t in named_tensors:
+        if torch.is_tensor(t) and t.is_floating_point():
+            bad = int((~torch.isfinite(t.detach())).sum())
+            if bad:
+                raise ArtifactError(f"{where}: tensor {name!r} holds {bad} non-finite value(s) (NaN/inf); "
+                                    "refusing to export corrupt or diverged weights")
 
 
 def load_tensors(path) -> dict[str, torch.Tensor]:

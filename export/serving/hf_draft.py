@@ -61,6 +61,9 @@ def export_hf_draft(lm, target, out_dir, *, tokenizer=None, dtype: torch.dtype |
     tok = tokenizer or own_tok or target.tokenizer
     if tok is not None and target.tokenizer is not None and tok.get_vocab() != target.tokenizer.get_vocab():
         raise ValueError("the draft model's tokenizer differs from the target's tokenizer")
+    from ._common import check_finite
+
+    check_finite(model.state_dict().items(), out_dir)
     current = next(model.parameters()).dtype
     if dtype is not None and dtype != current:
         model = copy.deepcopy(model).to(dtype)  # never cast the caller's live model

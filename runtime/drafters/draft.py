@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..adaptive import MAX_DRAFT_DEPTH, check_int
 from ..sampling import probs_from_logits, sample
 from ..target import TargetModel
 from ..tree import Draft
@@ -28,6 +29,7 @@ class DraftModelDrafter(Drafter):
             if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
                 raise ValueError("draft model tokenizer differs from the target's tokenizer")
         self.lm = draft
+        depth = check_int("depth", depth, 1, MAX_DRAFT_DEPTH)
         self.default_depth = depth
         self.default_nodes = depth + 1
         self.cache = None
@@ -58,8 +60,7 @@ class DraftModelDrafter(Drafter):
                 qs.append(q)
             drafts.append(tok)
             feed = tok.view(-1, 1)
-        # the cache now holds the root and drafts[:-1] beyond the committed prefix
-        self._proposed_from = committed
+        # the cache now holds the root and drafts[:-1] beyond the committed prefix (cropped at commit)
         q = torch.stack(qs, dim=1) if qs else None
         return Draft.chain(root.to(self.lm.device), torch.stack(drafts, dim=1), q)
 

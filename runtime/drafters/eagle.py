@@ -34,6 +34,7 @@ import math
 
 import torch
 
+from ..adaptive import MAX_DRAFT_DEPTH, MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, check_int
 from ..sampling import probs_from_logits
 from ..speculators import Eagle3Head, EagleHead, load_speculator, read_config
 from ..target import KVCache
@@ -52,8 +53,9 @@ class EagleDrafter(Drafter):
             raise TypeError(f"the {self.type} drafter needs a {self.head_class.__name__}, got {type(head).__name__}")
         if tree not in ("dynamic", "chain"):
             raise ValueError(f"tree must be 'dynamic' or 'chain', got {tree!r}")
-        if depth < 1 or top_k < 1 or total_tokens < 2:
-            raise ValueError(f"need depth >= 1, top_k >= 1, total_tokens >= 2; got {depth}, {top_k}, {total_tokens}")
+        depth = check_int("depth", depth, 1, MAX_DRAFT_DEPTH)
+        top_k = check_int("top_k", top_k, 1, MAX_DRAFT_TOP_K)
+        total_tokens = check_int("total_tokens", total_tokens, 2, MAX_DRAFT_NODES)
         self.head = head.eval()
         self.tree = tree
         self.depth = depth

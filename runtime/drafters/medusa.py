@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..adaptive import MAX_DRAFT_NODES
 from ..sampling import probs_from_logits
 from ..speculators import MedusaHeads, default_medusa_choices, load_speculator
 from ..tree import Draft, tree_depths, tree_from_choices
@@ -39,6 +40,10 @@ class MedusaDrafter(Drafter):
         choices = default_medusa_choices(K) if choices is None else [list(c) for c in choices]
         if not choices:
             raise ValueError("medusa choices must hold at least one path")
+        if len(choices) + 1 > MAX_DRAFT_NODES:
+            raise ValueError(f"medusa choices give {len(choices) + 1} tree nodes, more than the limit {MAX_DRAFT_NODES}")
+        if any(not c or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in c) for c in choices):
+            raise ValueError("medusa choices must be non-empty lists of non-negative integer ranks")
         too_deep = [c for c in choices if len(c) > K]
         if too_deep:
             raise ValueError(f"medusa choices deeper than the {K} heads: {too_deep[:3]}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..adaptive import MAX_DRAFT_DEPTH, check_int
 from ..tree import Draft
 from .base import DraftContext, Drafter, register_drafter
 
@@ -18,6 +19,9 @@ class NgramDrafter(Drafter):
     type = "ngram"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, depth: int = 5):
+        depth = check_int("depth", depth, 1, MAX_DRAFT_DEPTH)
+        max_ngram = check_int("max_ngram", max_ngram, 1, 64)
+        min_ngram = check_int("min_ngram", min_ngram, 1, 64)
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

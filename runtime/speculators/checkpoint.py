@@ -29,6 +29,7 @@ import json
 import os
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from ..atomic import atomic_dir
@@ -43,6 +44,7 @@ __all__ = [
     "load_speculator",
     "read_config",
     "save_speculator",
+    "tensor_problems",
     "validate_config",
 ]
 
@@ -151,11 +153,53 @@ def validate_config(cfg, file=CONFIG_NAME, target=None) -> dict:
     _check_fields(cfg["target"], _TARGET_SCHEMA, file, prefix="target.")
     for key, problem in cls.architecture_problems(cfg["architecture"], target):
         raise CheckpointError(file, "architecture." + key, problem)
+    training = cfg.get("training") or {}
+    if "drafter_options" in training:
+        for key, problem in drafter_option_problems(training["drafter_options"]):
+            raise CheckpointError(file, "training.drafter_options" + (f".{key}" if key else ""), problem)
     if list(cfg["target"]["feature_layers"]) != list(cfg["architecture"]["feature_layers"]):
         raise CheckpointError(file, "target.feature_layers",
                               f"{cfg['target']['feature_layers']} != architecture.feature_layers "
                               f"{cfg['architecture']['feature_layers']}")
     return cfg
+
+
+def tensor_problems(tensors: dict, cls=None, architecture: dict | None = None) -> list[tuple[str, str]]:
+    """``(tensor name, problem)`` for every tensor that cannot be used: non-finite floating values,
+    and (``cls.tensor_problems``) index tensors out of range or inconsistent."""
+    out = []
+    for name, t in tensors.items():
+        if t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                out.append((name, f"holds {bad} non-finite value(s) (NaN/inf) of {t.numel()}: the weights are "
+                                  "corrupt or come from a diverged training run"))
+    if cls is not None and hasattr(cls, "tensor_problems"):
+        out += cls.tensor_problems(tensors, architecture)
+    return out
+
+
+def drafter_option_problems(options) -> list[tuple[str | None, str]]:
+    """Problems of the draft shape a checkpoint records (``training.drafter_options``, the
+    default :func:`~specfoundry.runtime.drafters.load_drafter` uses): known keys, types, bounds."""
+    from ..adaptive import MAX_DRAFT_DEPTH, MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, check_int
+
+    if not isinstance(options, dict):
+        return [(None, f"expected an object, got {_json_type(options)}")]
+    bounds = {"depth": (1, MAX_DRAFT_DEPTH), "top_k": (1, MAX_DRAFT_TOP_K), "total_tokens": (2, MAX_DRAFT_NODES)}
+    out = []
+    for key, value in options.items():
+        if key == "tree":
+            if value not in ("dynamic", "chain"):
+                out.append((key, f"must be 'dynamic' or 'chain', got {value!r:.60}"))
+        elif key in bounds:
+            try:
+                check_int(key, value, *bounds[key])
+            except ValueError as exc:
+                out.append((key, str(exc)))
+        else:
+            out.append((key, f"unknown draft option (allowed: tree, {', '.join(bounds)})"))
+    return out
 
 
 def read_config(path) -> dict:
@@ -227,6 +271,8 @@ def save_speculator(module: nn.Module, path, target, training: dict | None = Non
 
     # clone: safetensors refuses aliased/non-contiguous storage and must not see live parameters
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in module.state_dict().items()}
+    for name, problem in tensor_problems(tensors, type(module), module.architecture):
+        raise ValueError(f"refusing to save this {kind} speculator: tensor {name!r} {problem}")
 
     path = Path(path)
     with atomic_dir(path, lambda p: (p / CONFIG_NAME).exists(), "a speculator checkpoint") as tmp:
@@ -276,6 +322,9 @@ def load_speculator(path, target, device=None, dtype=None) -> nn.Module:
             raise CheckpointError(weights, name, f"shape {tuple(tensors[name].shape)} != expected {tuple(ref.shape)}")
         if tensors[name].is_floating_point() != ref.is_floating_point():
             raise CheckpointError(weights, name, f"dtype {tensors[name].dtype} does not fit {ref.dtype}")
+    # integrity: finite weights, index tensors in range (found here, not as an IndexError mid-generation)
+    for name, problem in tensor_problems(tensors, cls, cfg["architecture"]):
+        raise CheckpointError(weights, name, problem)
     dtype = dtype or target.dtype
     # cast floating tensors first so a bf16 checkpoint loaded as fp32 (or back) is one copy
     module = module.to(dtype)

@@ -476,6 +476,27 @@ class Eagle3Head(_EagleBase):
         return out
 
     @classmethod
+    def tensor_problems(cls, tensors: dict, arch: dict | None) -> list[tuple[str, str]]:
+        """Index integrity of a state dict: ``d2t`` distinct target ids in ``[0, vocab_size)``,
+        ``t2d`` the mask of exactly those ids."""
+        out = []
+        d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
+        V = (arch or {}).get("vocab_size", t2d.numel() if t2d is not None else None)
+        if d2t is not None:
+            if d2t.is_floating_point() or d2t.dtype == torch.bool:
+                return [("d2t", f"must hold integer token ids, got dtype {d2t.dtype}")]
+            if d2t.numel() and (int(d2t.min()) < 0 or (V is not None and int(d2t.max()) >= V)):
+                return [("d2t", f"token ids must lie in [0, vocab_size={V}); found {int(d2t.min())}..{int(d2t.max())}")]
+            if d2t.unique().numel() != d2t.numel():
+                return [("d2t", "draft token ids must be distinct")]
+            if t2d is not None:
+                mask = torch.zeros(t2d.numel(), dtype=torch.bool)
+                mask[d2t.long().view(-1)] = True
+                if not torch.equal(t2d.view(-1).bool(), mask) or bool(((t2d != 0) & (t2d != 1)).any()):
+                    out.append(("t2d", "does not mark exactly the target ids listed in d2t"))
+        return out
+
+    @classmethod
     def default_architecture(cls, target) -> dict:
         L = int(target.num_layers)
         # EAGLE-3's low/mid/high: inputs of layers 2, L//2 and L-3 (clamped for tiny targets)

@@ -1,0 +1,107 @@
+"""Hardening of loaded and exported weights (issue 16): non-finite tensors and out-of-range index
+tensors are refused at load (not an IndexError mid-generation), at save and at export."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tiny_models import tiny_llama
+from specfoundry.runtime.drafters import load_drafter
+from specfoundry.runtime.speculators import CheckpointError, Eagle3Head, MedusaHeads, load_speculator, save_speculator
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0, dtype=torch.float32, layers=2)
+
+
+@pytest.fixture
+def saved(tmp_path, target):
+    head = Eagle3Head.from_target(target, draft_vocab_size=16, feature_layers=[0, 1, 2])
+    head.set_draft_vocab(list(range(0, 64, 4)))
+    return save_speculator(head, tmp_path / "spec", target)
+
+
+def _edit(path, **changes):
+    f = path / "model.safetensors"
+    t = load_file(str(f))
+    for name, fn in changes.items():
+        t[name] = fn(t[name].clone())
+    save_file(t, str(f), metadata={"format": "pt"})
+
+
+def _set(index, value):
+    def fn(x):
+        x.view(-1)[index] = value
+        return x
+    return fn
+
+
+def test_out_of_range_d2t_is_refused_at_load(saved, target):
+    _edit(saved, d2t=_set(3, 10_000))
+    with pytest.raises(CheckpointError, match=r"key 'd2t': token ids must lie in \[0, vocab_size=64\)"):
+        load_speculator(saved, target)
+    with pytest.raises(CheckpointError, match="d2t"):  # the drafter path too, before any generation
+        load_drafter(str(saved), target=target)
+
+
+def test_negative_or_duplicate_d2t_and_inconsistent_t2d_are_refused(saved, target):
+    _edit(saved, d2t=_set(0, -1))
+    with pytest.raises(CheckpointError, match="d2t"):
+        load_speculator(saved, target)
+    _edit(saved, d2t=_set(0, 4))  # 4 twice
+    with pytest.raises(CheckpointError, match="distinct"):
+        load_speculator(saved, target)
+    _edit(saved, d2t=_set(0, 0), t2d=_set(1, True))  # d2t restored; t2d marks an extra id
+    with pytest.raises(CheckpointError, match="key 't2d'"):
+        load_speculator(saved, target)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_at_load(saved, target, value):
+    _edit(saved, **{"fc.weight": _set(5, value)})
+    with pytest.raises(CheckpointError, match=r"key 'fc.weight': holds 1 non-finite value"):
+        load_speculator(saved, target)
+
+
+def test_non_finite_heads_are_not_saved(tmp_path, target):
+    heads = MedusaHeads.from_target(target, num_heads=2)
+    with torch.no_grad():
+        next(heads.parameters()).view(-1)[0] = float("nan")
+    with pytest.raises(ValueError, match="refusing to save .* non-finite"):
+        save_speculator(heads, tmp_path / "m", target)
+    assert not (tmp_path / "m").exists()
+
+
+def test_drafter_options_in_config_are_validated_at_load(saved, target):
+    cfg_file = saved / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    for bad, msg in (({"depth": 1_000_000}, "depth"), ({"total_tokens": 0}, "total_tokens"),
+                     ({"depth": -2}, "depth"), ({"depth": "5"}, "depth"), ({"tree": "bush"}, "tree"),
+                     ({"shape": 3}, "shape")):
+        cfg["training"] = {"drafter_options": bad}
+        cfg_file.write_text(json.dumps(cfg))
+        with pytest.raises(CheckpointError, match=f"training.drafter_options.*{msg}"):
+            load_drafter(str(saved), target=target)
+
+
+def test_export_refuses_non_finite_weights(tmp_path):
+    from specfoundry.export.identity import ArtifactError
+    from specfoundry.export.serving import SERVING_FORMATS
+    from specfoundry.export.source import check_module_finite
+
+    target = tiny_llama(0, dtype=torch.float32)  # 4 layers: feature layers vLLM/SGLang can represent
+    head = Eagle3Head.from_target(target, draft_vocab_size=16, feature_layers=[1, 2, 3])
+    with torch.no_grad():
+        head.fc.weight.view(-1)[0] = float("nan")
+    with pytest.raises(ValueError, match="fc.weight.*non-finite"):
+        check_module_finite(head, "spec")
+    for fmt in ("vllm", "sglang"):
+        writer = SERVING_FORMATS[fmt][0]
+        with pytest.raises(ArtifactError, match="non-finite"):
+            writer(head, target, tmp_path / fmt)
+        assert not (tmp_path / fmt).exists()
