@@ -326,6 +326,7 @@ class ServingEngine:
     def _admit(self, handle: RequestHandle) -> None:
         if handle.cancelled.is_set():
             handle._put(Event([], "", "cancelled"))
+            self.metrics.finished("cancelled", len(handle.request.prompt_ids), None)  # cancelled while waiting
             return
         r = handle.request
         drafter = self.drafter.fork() if (self.drafter is not None and r.speculate and self.max_depth) else None

@@ -1,0 +1,95 @@
+"""``specfoundry serve``: the OpenAI-compatible server (:mod:`.server`) on uvicorn.
+
+Registered through the ``specfoundry.commands`` entry-point group. Loads the target and drafter
+with the runtime's loaders (``load_target``/``load_drafter``), builds a
+:class:`~.scheduler.ServingEngine` with :class:`~.metrics.PrometheusMetrics`, prints one line with
+the URL once it accepts connections, and serves until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+
+def register(subparsers) -> None:
+    from ..cli import DTYPES
+
+    p = subparsers.add_parser("serve", help="OpenAI-compatible server with batched speculative decoding")
+    p.add_argument("--target", default="smollm2-135m", help="built-in target name or local HF directory")
+    p.add_argument("--speculator", default="ngram",
+                   help="speculator checkpoint dir (e.g. runs/eagle3-smollm2-135m/speculator), a drafter type "
+                        "(ngram, ...), a draft-model dir, or 'none' for plain decoding")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; beyond it: 429")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="prompt + new tokens per request (default: the model's context, at most 4096)")
+    p.add_argument("--max-depth", type=int, default=None, help="max draft depth (default: the drafter's)")
+    p.add_argument("--speculation-table", default=None,
+                   help="batch-size ranges -> draft depth, overriding the cost model, e.g. '1-4:3,5-8:1,9-:0'")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=_serve)
+
+
+def build_engine(args):
+    """(engine, metrics, model name) from parsed ``serve`` arguments."""
+    import torch
+
+    from ..cli import DTYPES
+    from ..drafters import load_drafter
+    from ..models import load_target
+    from .metrics import PrometheusMetrics
+    from .scheduler import ServingEngine
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    target = load_target(args.target, dtype=DTYPES[args.dtype], backend="engine")
+    spec = args.speculator
+    drafter = None if spec in (None, "", "none") else load_drafter(spec, target=target)
+    metrics = PrometheusMetrics()
+    engine = ServingEngine(target, drafter, max_batch=args.max_batch, max_queue=args.max_queue,
+                           max_context=args.max_context, max_depth=args.max_depth,
+                           speculation_table=args.speculation_table, metrics=metrics)
+    return engine, metrics, args.model_name or target.name
+
+
+def _serve(args) -> int:
+    import uvicorn
+
+    from .server import create_app
+
+    engine, metrics, name = build_engine(args)
+    app = create_app(engine, name, metrics)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5, access_log=args.log_level in ("info", "debug"))
+    server = uvicorn.Server(config)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{host}:{args.port}"
+
+    def announce():
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        if server.started:
+            spec = "none" if engine.drafter is None else args.speculator
+            print(f"specfoundry serve: {url}/v1 ready (model {name!r}, speculator {spec}, "
+                  f"max batch {engine.max_batch}, context {engine.max_context})", flush=True)
+
+    threading.Thread(target=announce, name="serve-announce", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        engine.close()
+    if not server.started:
+        print(f"specfoundry serve: could not listen on {url}", file=sys.stderr)
+        return 1
+    return 0
