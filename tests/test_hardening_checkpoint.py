@@ -105,3 +105,28 @@ def test_export_refuses_non_finite_weights(tmp_path):
         with pytest.raises(ArtifactError, match="non-finite"):
             writer(head, target, tmp_path / fmt)
         assert not (tmp_path / fmt).exists()
+
+
+def test_export_cli_refuses_a_run_whose_speculator_holds_nan(tmp_path, capsys):
+    from specfoundry.runtime import load_target
+    from specfoundry.runtime.cli import main
+
+    tiny = tiny_llama(0, dtype=torch.float32)
+    tiny.model.save_pretrained(tmp_path / "target")
+    tgt = load_target(str(tmp_path / "target"), dtype=torch.float32)
+    head = Eagle3Head.from_target(tgt, draft_vocab_size=16, feature_layers=[1, 2, 3])
+    spec = save_speculator(head, tmp_path / "run" / "speculator", tgt)
+    _edit(spec, **{"layer.mlp.down_proj.weight": _set(0, float("nan"))})
+    code = main(["export", str(tmp_path / "run"), "--target", str(tmp_path / "target"), "--formats", "vllm,sglang"])
+    assert code == 2
+    assert "non-finite" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "export" / "vllm").exists() and not (tmp_path / "run" / "export" / "sglang").exists()
+
+
+def test_a_draft_model_with_nan_weights_is_refused_at_load(tmp_path, target):
+    draft = tiny_llama(1, dtype=torch.float32, layers=1)
+    with torch.no_grad():
+        draft.model.model.norm.weight[0] = float("nan")
+    draft.model.save_pretrained(tmp_path / "draft")
+    with pytest.raises(ValueError, match="draft model tensor .* non-finite"):
+        load_drafter(str(tmp_path / "draft"), target=target)

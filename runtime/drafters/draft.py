@@ -83,6 +83,10 @@ def _make_draft(source, target, device=None, dtype=None, **options) -> DraftMode
         lm = source
     else:
         lm = load_target(str(source), device=device or target.device, dtype=dtype or target.dtype)
+        for name, t in lm.model.state_dict().items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{source}: draft model tensor {name!r} holds non-finite values (NaN/inf); "
+                                 "refusing to draft with corrupt weights")
     return DraftModelDrafter(lm, target, **options)
 
 
