@@ -1,0 +1,391 @@
+"""The OpenAI-compatible server: a real ``specfoundry serve`` subprocess on a free loopback port,
+driven by the official ``openai`` client (one server for the module), plus in-process checks of
+overload (429) and the stop-string matcher.
+
+The target is a tiny random Llama (float32, hidden 32) with the SmolLM2 tokenizer, saved with
+``save_pretrained``; the speculator is a slightly perturbed copy of it used as a draft model, so
+drafts are partly accepted and every step of the batched speculative path runs.
+"""
+
+import concurrent.futures as cf
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from specfoundry.runtime.serving.launch import serve_subprocess  # noqa: E402
+
+MODEL = "tiny-serve"
+CONTEXT = 1024
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from specfoundry.runtime.models import builtin_model_dir
+
+    try:
+        return AutoTokenizer.from_pretrained(builtin_model_dir("smollm2-135m"))
+    except Exception as e:  # pragma: no cover - no network and no cached target
+        pytest.skip(f"the SmolLM2 tokenizer is not available: {e}")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = _tokenizer()
+    root = tmp_path_factory.mktemp("serve")
+    target_dir, draft_dir = root / MODEL, root / "draft"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      initializer_range=0.5, eos_token_id=tok.eos_token_id, bos_token_id=None, pad_token_id=None,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(target_dir)
+    tok.save_pretrained(target_dir)
+    g = torch.Generator().manual_seed(123)
+    with torch.no_grad():  # a draft model that mostly agrees with the target
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.std().clamp(min=1e-3))
+    model.save_pretrained(draft_dir)
+    return target_dir, draft_dir
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs):
+    target_dir, draft_dir = model_dirs
+    args = ["--target", str(target_dir), "--speculator", str(draft_dir), "--max-batch", "8", "--max-queue", "32",
+            "--max-context", str(CONTEXT), "--speculation-table", "1-:3", "--threads", "1"]
+    with serve_subprocess(args, timeout=180) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def _metrics(url: str) -> dict:
+    """{sample name + sorted labels: value} from /metrics, parsed by prometheus_client."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name + (json.dumps(sorted(s.labels.items())) if s.labels else "")
+            out[key] = s.value
+    return out
+
+
+def _requests_total(m: dict) -> float:
+    return sum(v for k, v in m.items() if k.startswith("specfoundry_requests_total"))
+
+
+def _wait_idle(url: str, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        h = httpx.get(url + "/health", timeout=10).json()
+        if h["running"] == 0 and h["waiting"] == 0 or time.monotonic() > deadline:
+            return h
+        time.sleep(0.05)
+
+
+def _alive(client) -> None:
+    r = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens >= 1
+
+
+# -- the real server ---------------------------------------------------------------------------
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    h = httpx.get(server + "/health").json()
+    assert h["status"] == "ok" and h["model"] == MODEL and h["max_batch"] == 8
+
+
+def test_chat_completion_streamed_equals_non_streamed(client):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime number."}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0)
+    ch = r.choices[0]
+    assert ch.message.role == "assistant" and isinstance(ch.message.content, str) and ch.message.content
+    assert ch.finish_reason in ("length", "stop")
+    u = r.usage
+    assert 1 <= u.completion_tokens <= 24 and u.prompt_tokens > 5
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    spec = u.model_extra["speculative_decoding"]
+    assert set(spec) == {"tau", "acceptance_by_position", "drafted", "accepted"}
+    assert spec["tau"] >= 1.0 and spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"]
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ch.message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [ch.finish_reason]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == u.completion_tokens
+    assert last.usage.prompt_tokens == u.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_text_and_token_ids(client):
+    for prompt in ("The capital of France is", [10, 20, 30, 40, 10, 20, 30]):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+        assert r.choices[0].text and r.choices[0].finish_reason in ("length", "stop")
+        if isinstance(prompt, list):
+            assert r.usage.prompt_tokens == len(prompt)
+        parts = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True))
+        assert "".join(p.choices[0].text for p in parts) == r.choices[0].text
+        assert parts[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    # sampling with our extensions goes through as well
+    r = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=8, temperature=0.8, top_p=0.9, seed=3,
+                                  extra_body={"top_k": 20, "speculate": False})
+    assert r.usage.completion_tokens >= 1 and r.usage.model_extra["speculative_decoding"]["drafted"] == 0
+
+
+def test_stop_strings_truncate_and_free_the_slot(server, client):
+    full = client.completions.create(model=MODEL, prompt=[7, 8, 9, 7, 8], max_tokens=40, temperature=0)
+    text = full.choices[0].text
+    assert len(text) > 20
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    expected = text[: text.find(stop)]
+    r = client.completions.create(model=MODEL, prompt=[7, 8, 9, 7, 8], max_tokens=40, temperature=0, stop=[stop, "\x00"])
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens <= 40
+    parts = list(client.completions.create(model=MODEL, prompt=[7, 8, 9, 7, 8], max_tokens=40, temperature=0,
+                                           stop=stop, stream=True))
+    assert "".join(p.choices[0].text for p in parts) == expected
+    assert parts[-1].choices[0].finish_reason == "stop"
+    assert _wait_idle(server)["running"] == 0
+
+
+def test_sixteen_concurrent_clients_each_get_their_solo_output(server, client):
+    jobs = []
+    for i in range(16):
+        kw = dict(model=MODEL, max_tokens=16 + 3 * (i % 5), temperature=0)
+        if i % 4 == 3:
+            kw["extra_body"] = {"speculate": False}
+        if i % 2:
+            jobs.append(("chat", dict(kw, messages=[{"role": "user", "content": f"Tell me fact number {i}."}])))
+        else:
+            jobs.append(("cmpl", dict(kw, prompt=[(11 * i + j) % 500 + 1 for j in range(3 + i)])))
+
+    def run(job):
+        kind, kw = job
+        if kind == "chat":
+            r = client.chat.completions.create(**kw)
+            return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
+        r = client.completions.create(**kw)
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
+
+    solo = [run(j) for j in jobs]
+    before = _metrics(server)
+    with cf.ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(run, jobs))
+    after = _metrics(server)
+    assert together == solo
+    # they really shared steps: mean sequences per step well above 1
+    seq_steps = after["specfoundry_sequence_steps_total"] - before["specfoundry_sequence_steps_total"]
+    steps = after["specfoundry_step_seconds_count"] - before["specfoundry_step_seconds_count"]
+    assert seq_steps / steps > 2
+
+
+def test_cancelled_stream_frees_its_slot(server, client):
+    before = _metrics(server)
+    stream = client.completions.create(model=MODEL, prompt=[3, 1, 4, 1, 5], max_tokens=CONTEXT - 8, temperature=0,
+                                       stream=True)
+    got = 0
+    for chunk in stream:
+        got += 1
+        if got == 3:
+            break
+    stream.close()  # the client goes away mid-stream
+    h = _wait_idle(server)
+    assert h["running"] == 0 and h["waiting"] == 0
+    key = 'specfoundry_requests_total[["finish_reason", "cancelled"]]'
+    deadline = time.monotonic() + 10
+    while _metrics(server).get(key, 0) < before.get(key, 0) + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metrics(server).get(key, 0) == before.get(key, 0) + 1
+    _alive(client)
+
+
+BAD = [
+    ("/v1/completions", b'{"model": "tiny-serve", "prompt": ', 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
+    ("/v1/completions", {"prompt": "hi"}, 400, "model"),
+    ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2.5]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[1, 2]]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 10 ** 9]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1] * 10, "max_tokens": CONTEXT}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1] * (CONTEXT + 5), "max_tokens": 1}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 2.5}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -0.1}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": 0}, 400, "top_k"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ""}, 400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 3}]}, 400, None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x", "extra": 1}]}, 400, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{i}" for i in range(len(BAD))])
+def test_bad_input_answers_4xx_with_an_openai_error(server, client, path, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server + path, headers={"content-type": "application/json"}, timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    _alive(client)
+
+
+def test_the_openai_client_raises_its_errors(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", temperature=9)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"speculative": True})
+    _alive(client)
+
+
+def test_metrics_add_up_to_what_the_clients_received(server, client):
+    _wait_idle(server)
+    before = _metrics(server)
+    received, prompts = 0, 0
+    for i in range(4):
+        kw = dict(model=MODEL, prompt=[20 + i, 21, 22, 20 + i, 21], max_tokens=12 + i, temperature=0)
+        if i == 3:
+            kw["extra_body"] = {"speculate": False}
+        if i % 2:
+            chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+            usage = chunks[-1].usage
+        else:
+            usage = client.completions.create(**kw).usage
+        received += usage.completion_tokens
+        prompts += usage.prompt_tokens
+    deadline = time.monotonic() + 10
+    after = _metrics(server)
+    while _requests_total(after) < _requests_total(before) + 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        after = _metrics(server)
+
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert _requests_total(after) - _requests_total(before) == 4
+    assert delta("specfoundry_generation_tokens_total") == received
+    assert delta("specfoundry_prompt_tokens_total") == prompts
+    assert delta("specfoundry_time_to_first_token_seconds_count") == 4
+    assert delta("specfoundry_e2e_request_latency_seconds_count") == 4
+    # speculation ran and its counters are consistent
+    drafts, tokens = after["specfoundry_spec_decode_num_drafts_total"], after["specfoundry_spec_decode_num_draft_tokens_total"]
+    accepted = after["specfoundry_spec_decode_num_accepted_tokens_total"]
+    per_pos = [v for k, v in after.items() if k.startswith("specfoundry_spec_decode_num_accepted_tokens_per_pos_total")]
+    assert drafts > 0 and tokens >= drafts and 0 < accepted <= tokens
+    assert sum(per_pos) == accepted
+    steps = after["specfoundry_sequence_steps_total"]
+    assert after["specfoundry_tau"] == pytest.approx(after["specfoundry_generation_tokens_total"] / steps)
+    assert 1.0 <= after["specfoundry_tau"] <= 4.0
+    for name in ("specfoundry_batch_size", "specfoundry_queue_depth", "specfoundry_running",
+                 "specfoundry_speculating_requests", "specfoundry_inter_token_latency_seconds_count"):
+        assert name in after
+    assert after["specfoundry_running"] == 0 and after["specfoundry_queue_depth"] == 0
+
+
+# -- in process ------------------------------------------------------------------------------------
+
+def test_full_queue_answers_429_and_recovers():
+    from starlette.testclient import TestClient
+
+    from tiny_models import tiny_llama
+    from specfoundry.runtime.serving import Request, ServingEngine
+    from specfoundry.runtime.serving.metrics import PrometheusMetrics
+    from specfoundry.runtime.serving.server import create_app
+
+    class GatedMetrics(PrometheusMetrics):
+        """Holds the engine thread inside its first step until released: the one slot stays busy."""
+
+        def __init__(self):
+            super().__init__()
+            self.entered, self.gate = threading.Event(), threading.Event()
+
+        def step(self, *a):
+            self.entered.set()
+            self.gate.wait(30)
+            super().step(*a)
+
+    metrics = GatedMetrics()
+    engine = ServingEngine(tiny_llama(0, dtype=torch.float32), None, max_batch=1, max_queue=0, metrics=metrics)
+    try:
+        busy = engine.submit(Request([1, 2, 3], max_new_tokens=50))
+        assert metrics.entered.wait(30)
+        with TestClient(create_app(engine, "tiny", metrics)) as http:
+            body = {"model": "tiny", "prompt": [1, 2], "max_tokens": 2}
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+            # a model without a tokenizer: chat and text prompts are refused, token ids work
+            r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+            busy.cancel()
+            metrics.gate.set()
+            for _ in busy:
+                pass
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 2
+            assert "specfoundry_requests_total" in http.get("/metrics").text
+    finally:
+        metrics.gate.set()
+        engine.close()
+
+
+def test_stop_matcher_holds_back_what_may_become_a_stop_string():
+    from specfoundry.runtime.serving.server import _StopMatcher
+
+    m = _StopMatcher(["END", "xyz"])
+    assert m.feed("abc E") == "abc "  # "E" may start "END"
+    assert m.feed("Nd") == "ENd"
+    assert m.feed(" fooEN") == " foo"
+    assert m.feed("D and more") == "" and m.stopped
+    assert m.text == "abc ENd foo"
+    m = _StopMatcher([])
+    assert m.feed("a") == "a" and m.feed("b") == "b" and not m.stopped
+
+
+def test_serve_command_defaults_to_loopback():
+    from specfoundry.runtime.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert args.host == "127.0.0.1" and args.port == 8000 and args.max_batch == 8 and args.max_queue == 64
+    assert args.target == "smollm2-135m"
