@@ -232,3 +232,16 @@ def test_train_without_a_recipe_prints_usage_instead_of_training(capsys):
     assert main(["train"]) == 2
     err = capsys.readouterr().err
     assert "usage:" in err and "name a recipe" in err and "eagle3-smollm2-135m" in err
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("evaluation.depth", 1000000, "depth"),
+    ("evaluation.total_tokens", 1000000, "total_tokens"),
+])
+def test_train_run_refuses_an_unbounded_evaluation_shape_before_training(tmp_path, field, value, message):
+    from specfoundry.train.recipe import RecipeError
+    from specfoundry.train.run import main
+
+    with pytest.raises((ValueError, RecipeError), match=message):
+        main(["eagle3-smollm2-135m", "--set", f"output_dir={tmp_path / 'r'}", "--set", f"{field}={value}"])
+    assert not (tmp_path / "r").exists()

@@ -29,7 +29,10 @@ def evaluate_speculator(target, drafter, prompt_sets: dict[str, list[str]], *, t
             for i, prompt in enumerate(tqdm(prompts, desc=f"eval {name} T={t}", leave=False)):
                 if deadline and time.perf_counter() > deadline:
                     break
-                kw = dict(prompt=prompt, max_new_tokens=max_new_tokens, temperature=t, seed=seed + i)
+                # a held-out prompt longer than the target's context keeps its last tokens (measured,
+                # not a failed run at the end of training)
+                kw = dict(prompt=prompt, max_new_tokens=max_new_tokens, temperature=t, seed=seed + i,
+                          context_overflow="truncate_prompt")
                 spec = gen.generate(**kw)
                 taus.append(spec.stats.tau)
                 acc.append(spec.stats.acceptance_by_position)

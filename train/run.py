@@ -194,6 +194,18 @@ def save_result(recipe, target, module, state_dict, run_dir: Path, training_meta
     return save_speculator(fresh.to(target.device, target.dtype).eval(), out, target, training=training_meta), target
 
 
+def check_evaluation_shape(recipe) -> None:
+    """The evaluation's draft shape within the runtime's bounds (``ValueError`` naming the field)."""
+    from specfoundry.runtime.adaptive import MAX_DRAFT_DEPTH, check_int
+    from specfoundry.runtime.speculators.checkpoint import drafter_option_problems
+
+    ev = recipe.evaluation
+    check_int("evaluation.depth", ev.depth, 1, MAX_DRAFT_DEPTH)
+    options = {k: getattr(ev, k) for k in ("tree", "total_tokens", "top_k") if getattr(ev, k, None) is not None}
+    for key, problem in drafter_option_problems(options):
+        raise ValueError(f"evaluation.{key}: {problem}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from accelerate.utils import set_seed
 
@@ -215,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     recipe = resolve(load_recipe(args.recipe, overrides=args.set or None))
     run_dir = Path(recipe.output_dir)
-    # before anything is loaded or written: a run directory belongs to one run
+    # before anything is loaded or written: a run directory belongs to one run, and the draft shape
+    # the run ends by measuring is one the runtime accepts (not a failure after hours of training)
     check_run_dir(run_dir, resume=args.resume, overwrite=args.overwrite)
+    check_evaluation_shape(recipe)
     # the frozen target is loaded before the DeepSpeed plugin exists: under ZeRO-3 transformers
     # would otherwise partition it at load (it is replicated per process; only the head is sharded)
     target = load_target(recipe.target.name, dtype=_dtype(recipe.target.dtype))
