@@ -8,7 +8,7 @@ TARGET ?= smollm2-135m
 DRAFTER ?= ngram
 PYTEST_ARGS ?=
 
-.PHONY: venv train demo test test-slow test-gpu results clean export bench bench-full
+.PHONY: venv train demo test test-slow test-gpu results clean export bench bench-full serve
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,15 @@ train: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/specfoundry generate --target $(TARGET) --drafter $(DRAFTER) --max-new-tokens 128 --compare --prompt "$(PROMPT)"
+
+# OpenAI-compatible server on http://127.0.0.1:8000 (/v1/chat/completions, /v1/completions, /metrics):
+# the default target with the default run's speculator when it has been trained, else n-gram.
+# e.g. make serve SERVE_ARGS="--port 8080 --max-batch 16"   or   make serve SPECULATOR=none
+DEFAULT_SPECULATOR := runs/eagle3-smollm2-135m/speculator
+SPECULATOR ?= $(if $(and $(wildcard $(DEFAULT_SPECULATOR)/config.json),$(filter smollm2-135m,$(TARGET))),$(DEFAULT_SPECULATOR),ngram)
+SERVE_ARGS ?=
+serve: $(STAMP)
+	$(BIN)/specfoundry serve --target $(TARGET) --speculator $(SPECULATOR) $(SERVE_ARGS)
 
 # What CI runs: the default tier (no slow, no GPU tests).
 test: $(STAMP)
