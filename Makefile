@@ -57,9 +57,13 @@ RUN ?=
 export: $(STAMP)
 	$(BIN)/specfoundry export $(RUN)
 
-# Re-measure the figures in docs/results.md (ngram drafter on SmolLM2-135M; a wrapper of specfoundry bench).
+# Re-measure the runtime figures in docs/results.md: plain decoding vs the ngram drafter (adaptive) on
+# SmolLM2-135M, 2 built-in prompts per category (12), greedy, 128 tokens; prints and keeps
+# runs/bench/results/report.{md,json}. (Formerly tools/measure_runtime.py, a wrapper of this command.)
 results: $(STAMP)
-	$(BIN)/python tools/measure_runtime.py --prompts 12 --max-new-tokens 128
+	$(BIN)/specfoundry bench --target $(TARGET) --methods plain,ngram:adaptive --peers none --temperature 0 \
+		--limit 2 --max-new-tokens 128 --ignore-eos --out runs/bench/results
+	cat runs/bench/results/report.md
 
 # Benchmark harness: our methods and peers, interleaved per prompt, T=0 and T=1, on the built-in
 # prompt set or DATA (Spec-Bench/MT-bench/HumanEval/GSM8K JSONL); RUN=runs/<recipe> adds trained
