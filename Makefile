@@ -97,6 +97,8 @@ clean:
 .PHONY: gpu-check
 gpu-check: $(STAMP)
 	$(BIN)/python -m specfoundry.export.trt.gpu_check --out runs/gpu-check
+	# the engine's CUDA-graph step (eager vs graphed ms per node-count bucket; "skipped" without CUDA)
+	$(BIN)/python -m specfoundry.runtime.cuda_graph --target smollm2-135m --dtype bfloat16 --past 256
 
 # Serve smollm2-135m with an exported EAGLE-3 head in vLLM (CPU build, own venv .venv-vllm,
 # built on first use) and compare its acceptance length with our runtime's tau; checks vLLM's
