@@ -18,23 +18,22 @@ token the target emitted. Hidden states for these examples come from :mod:`.feat
 from __future__ import annotations
 
 import hashlib
-import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
-from .datacache import (ChunkReport, GenStats, cached_chunks, dtype_name, model_fingerprint, resolve_dtype,  # noqa: F401
+# (re-exported names: features.py and older callers import them from here)
+from .datacache import (ChunkReport, GenStats, dtype_name, model_fingerprint, resolve_dtype,  # noqa: F401
                         save_dataset_atomic, stable_hash)
-from .generation import (DEFAULT_RESPONSES, ChatFormat, generate_batched, generation_model,  # noqa: F401
-                         model_in_dtype, responses_key_base, self_distill)
+from .generation import DEFAULT_RESPONSES, ChatFormat, generate_batched, responses_key_base, self_distill  # noqa: F401
+from .logs import stderr_logger
 from .prompts import load_prompts
 
 __all__ = ["build_dataset", "make_example", "split_eval", "TRAIN_FEATURES", "ChatFormat", "ChunkReport", "GenStats",
            "self_distill", "generate_batched", "stable_hash", "model_fingerprint", "resolve_dtype", "dtype_name"]
 
 
-def _log(msg: str) -> None:
-    print(f"[specfoundry.train.data] {msg}", file=sys.stderr, flush=True)
+_log = stderr_logger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ import cycle (data -> prompts -> generation -> datacache).
 from __future__ import annotations
 
 import copy
-import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -34,6 +33,7 @@ import torch
 from specfoundry.runtime.chat import encode_chat, encode_text
 
 from .datacache import ChunkReport, GenStats, cached_chunks, dtype_name, model_fingerprint, resolve_dtype, stable_hash
+from .logs import stderr_logger
 
 __all__ = ["ChatFormat", "model_in_dtype", "generation_model", "generate_batched", "self_distill",
            "DEFAULT_RESPONSES", "responses_key_base"]
@@ -41,8 +41,7 @@ __all__ = ["ChatFormat", "model_in_dtype", "generation_model", "generate_batched
 _SENTINEL = "\u2063SPECFOUNDRY\u2063"  # invisible separator: cannot clash with real text
 
 
-def _log(msg: str) -> None:
-    print(f"[specfoundry.train.generation] {msg}", file=sys.stderr, flush=True)
+_log = stderr_logger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------

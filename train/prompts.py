@@ -21,7 +21,6 @@ import json
 import math
 import random
 import re
-import sys
 import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -30,10 +29,10 @@ from . import generation as _generation
 from . import topics as _topics
 from .datacache import ChunkReport, GenStats, cached_chunks, dtype_name, model_fingerprint, resolve_dtype, stable_hash
 from .generation import ChatFormat, generation_model
+from .logs import stderr_logger
 
 
-def _log(msg: str) -> None:
-    print(f"[specfoundry.train.prompts] {msg}", file=sys.stderr, flush=True)
+_log = stderr_logger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------
