@@ -248,6 +248,8 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ""}, 400, "stop"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 2 ** 64}, 400, "seed"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [str(i) for i in range(40)]}, 400, "stop"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, None),
@@ -277,6 +279,19 @@ def test_the_openai_client_raises_its_errors(client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                        extra_body={"speculative": True})
     _alive(client)
+
+
+def test_extreme_valid_sampling_values_do_not_break_the_engine(server, client):
+    """Values inside the ranges that float32 sampling cannot take as such (logits / 1e-300 is inf,
+    top_p 1e-300 rounds to 0): the server maps them to what they mean (greedy, the top token)."""
+    greedy = client.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=8, temperature=0)
+    for kw in ({"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-300}, {"temperature": 2.0, "extra_body": {"top_k": 1}},
+               {"temperature": 1.0, "seed": -(2 ** 63)}):
+        r = client.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=8, **kw)
+        assert r.choices[0].finish_reason in ("length", "stop")
+        if "seed" not in kw:
+            assert r.choices[0].text == greedy.choices[0].text
+    assert httpx.get(server + "/health").json()["status"] == "ok"
 
 
 def test_metrics_add_up_to_what_the_clients_received(server, client):

@@ -72,7 +72,15 @@ def _serve(args) -> int:
     app = create_app(engine, name, metrics)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, access_log=args.log_level in ("info", "debug"))
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # end running requests now ("cancelled": streams get an error chunk), so the graceful
+            # shutdown does not wait for long generations; close() joins, so not on the loop
+            threading.Thread(target=engine.close, name="serve-close", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{args.port}"
 

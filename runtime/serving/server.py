@@ -44,6 +44,11 @@ from .scheduler import QueueFull, Request, ServingEngine
 # -- request models ------------------------------------------------------------------------------
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
+MAX_STOPS = 16
+# below these, float32 sampling breaks (inf logits / a top_p that rounds to 0 drops every token) and
+# the result is the top token anyway: temperature -> greedy, top_p -> this floor
+MIN_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-6
 
 
 class StreamOptions(BaseModel):
@@ -65,7 +70,7 @@ class _Common(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -290,6 +295,8 @@ def create_app(engine: ServingEngine, model_name: str, metrics=None) -> FastAPI:
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(s == "" for s in stops):
             raise APIError(400, "stop strings must not be empty", param="stop")
+        if len(stops) > MAX_STOPS:
+            raise APIError(400, f"at most {MAX_STOPS} stop strings", param="stop")
         return body, stops
 
     def engine_request(body, prompt_ids: list[int], max_tokens: int | None) -> Request:
@@ -297,10 +304,12 @@ def create_app(engine: ServingEngine, model_name: str, metrics=None) -> FastAPI:
             raise APIError(400, "the prompt is empty", param="prompt")
         if max_tokens is None:  # until the context is full (OpenAI's chat default)
             max_tokens = max(1, engine.max_context - len(prompt_ids))
-        return Request(prompt_ids=prompt_ids, max_new_tokens=max_tokens,
-                       temperature=0.0 if body.temperature is None else float(body.temperature),
-                       top_k=body.top_k, top_p=None if body.top_p is None else float(body.top_p), seed=body.seed,
-                       speculate=body.speculate is not False)
+        temperature = 0.0 if body.temperature is None else float(body.temperature)
+        if temperature < MIN_TEMPERATURE:  # logits / 1e-300 overflow: as vLLM, this small is greedy
+            temperature = 0.0
+        top_p = None if body.top_p is None else max(float(body.top_p), MIN_TOP_P)  # same tokens kept
+        return Request(prompt_ids=prompt_ids, max_new_tokens=max_tokens, temperature=temperature,
+                       top_k=body.top_k, top_p=top_p, seed=body.seed, speculate=body.speculate is not False)
 
     async def respond(http: HTTPRequest, body, req: Request, stops: list[str], chat: bool):
         run = _Run(engine, http, req, stops)
@@ -351,6 +360,9 @@ def create_app(engine: ServingEngine, model_name: str, metrics=None) -> FastAPI:
                     yield chunk([choice(text, None)])
                 if run.error is not None:
                     yield _sse(APIError(500, f"generation failed: {run.error}", type="server_error").body())
+                elif run.finish_reason == "cancelled":
+                    yield _sse(APIError(503, "the request was cancelled (the server is shutting down)",
+                                        type="server_error", code="service_unavailable").body())
                 else:
                     yield chunk([choice(None, run.finish_reason)])
                     if include_usage:
