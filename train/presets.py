@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 __all__ = ["Architecture", "PresetError", "PRESETS", "find_architecture", "resolve_architecture",
-           "architecture_from_config", "preset_names"]
+           "architecture_from_config", "preset_names", "cache_root"]
 
 
 class PresetError(ValueError):
@@ -153,11 +153,15 @@ def architecture_from_config(cfg: dict, name: str = "") -> Architecture:
     )
 
 
+def cache_root() -> Path:
+    """``$SPECFOUNDRY_CACHE`` or ``~/.cache/specfoundry``: the same root as
+    ``specfoundry.runtime.models.cache_dir``, read without importing the runtime (torch)."""
+    return Path(os.environ.get("SPECFOUNDRY_CACHE", Path.home() / ".cache" / "specfoundry"))
+
+
 def _builtin_cached_dir(name: str) -> Path | None:
-    # the converted directory of a built-in target (runtime/models.py's cache layout), if present;
-    # read without importing runtime.models (it imports torch)
-    root = Path(os.environ.get("SPECFOUNDRY_CACHE", Path.home() / ".cache" / "specfoundry"))
-    d = root / "models" / name
+    # the converted directory of a built-in target (runtime/models.py's cache layout), if present
+    d = cache_root() / "models" / name
     return d if (d / "config.json").is_file() else None
 
 

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 from .launcher import (accelerate_config_path, deepspeed_config_for, deepspeed_config_path, launch_args,
                        list_launcher_configs, packaged, process_counts, read_accelerate_config, read_deepspeed_config,
                        zero_stage)
-from .presets import PresetError, find_architecture
+from .presets import PresetError, cache_root, find_architecture
 from .recipe_errors import RecipeError, got, suggest
 from .recipe_schema import (BUILTIN_HELDOUT, METHODS, PROMPT_SOURCES, SPECULATOR_CLASSES, DataConfig, DraftArchConfig,
                             DraftSpeculator, Eagle3Speculator, EagleSpeculator, EvaluationConfig, FilePrompts,
@@ -323,10 +323,6 @@ def default_feature_layers(method: str, num_layers: int) -> list[int] | None:
     return None
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("SPECFOUNDRY_CACHE", Path.home() / ".cache" / "specfoundry"))
-
-
 def resolve(recipe: Recipe) -> Recipe:
     """A copy with every default filled that can be filled without a download: output_dir,
     cache_dir, response dtype, ttt_steps, W&B mode/run name, launcher process counts, draft
@@ -334,7 +330,7 @@ def resolve(recipe: Recipe) -> Recipe:
     Idempotent. ``speculator.choices: null`` stays null: it names the runtime's default tree."""
     r = copy.deepcopy(recipe)
     r.output_dir = r.output_dir or f"runs/{r.name}"
-    r.data.cache_dir = r.data.cache_dir or str(_cache_root() / "data" / r.name)
+    r.data.cache_dir = r.data.cache_dir or str(cache_root() / "data" / r.name)
     r.data.responses.dtype = r.data.responses.dtype or r.target.dtype
     if r.method == "eagle3" and r.training.ttt_steps is None:
         r.training.ttt_steps = 3
