@@ -53,6 +53,10 @@ def run_export(args) -> int:
     from .serving import SERVING_FORMATS
     from .source import resolve_source
 
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} exists and is not a directory")
+    if args.run is not None and not Path(args.run).exists():
+        raise FileNotFoundError(f"{args.run}: no such run directory or speculator checkpoint")
     src = resolve_source(args.run, args.target)
     out = Path(args.out) if args.out else src.run_dir / "export"
     out.mkdir(parents=True, exist_ok=True)

@@ -157,6 +157,9 @@ class SpeculativeGenerator:
                  max_nodes: int | None = None, adaptive: bool = True):
         self.target = target
         self.drafter = drafter
+        if drafter is not None and not all(callable(getattr(drafter, m, None)) for m in ("begin", "propose", "commit")):
+            raise ValueError(f"drafter must be a Drafter (begin/propose/commit), e.g. load_drafter('ngram', target=...); "
+                             f"got {type(drafter).__name__} {drafter!r:.60}")
         if max_depth is not None:
             check_int("max_depth", max_depth, 1, MAX_DRAFT_DEPTH)  # 0 or less: pass speculate=False instead
         if max_nodes is not None:

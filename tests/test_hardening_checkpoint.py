@@ -130,3 +130,30 @@ def test_a_draft_model_with_nan_weights_is_refused_at_load(tmp_path, target):
     draft.model.save_pretrained(tmp_path / "draft")
     with pytest.raises(ValueError, match="draft model tensor .* non-finite"):
         load_drafter(str(tmp_path / "draft"), target=target)
+
+
+def test_reading_back_an_export_with_nan_is_refused(tmp_path):
+    from specfoundry.export.identity import ArtifactError
+    from specfoundry.export.serving.vllm import export_vllm, load_vllm
+
+    target = tiny_llama(0, dtype=torch.float32)
+    head = Eagle3Head.from_target(target, draft_vocab_size=16, feature_layers=[1, 2, 3])
+    export_vllm(head, target, tmp_path / "v")
+    f = tmp_path / "v" / "model.safetensors"
+    t = load_file(str(f))
+    name = next(k for k in t if k.startswith("fc"))
+    t[name] = t[name].clone()
+    t[name].view(-1)[0] = float("inf")
+    save_file(t, str(f), metadata={"format": "pt"})
+    with pytest.raises(ArtifactError, match="non-finite"):
+        load_vllm(tmp_path / "v", target)
+
+
+def test_export_cli_refuses_an_out_that_is_a_file(tmp_path, capsys):
+    from specfoundry.runtime.cli import main
+
+    (tmp_path / "out").write_text("x")
+    assert main(["export", str(tmp_path / "missing-run"), "--out", str(tmp_path / "out")]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "missing-run")]) == 2
+    assert "no such run directory" in capsys.readouterr().err

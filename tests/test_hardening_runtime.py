@@ -219,3 +219,8 @@ def test_a_stream_holds_the_target_and_the_same_thread_cannot_reenter(gen):
         gen.generate(prompt_ids=PROMPT, max_new_tokens=2)
     s.close()  # closing releases the target
     assert len(gen.generate(prompt_ids=PROMPT, max_new_tokens=2).token_ids) == 2
+
+
+def test_a_drafter_that_is_not_one_is_refused(target):
+    with pytest.raises(ValueError, match="drafter must be a Drafter"):
+        SpeculativeGenerator(target, "ngram")

@@ -245,3 +245,11 @@ def test_train_run_refuses_an_unbounded_evaluation_shape_before_training(tmp_pat
     with pytest.raises((ValueError, RecipeError), match=message):
         main(["eagle3-smollm2-135m", "--set", f"output_dir={tmp_path / 'r'}", "--set", f"{field}={value}"])
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("field, value", [("log_every", 0), ("max_steps", 0), ("learning_rate", float("nan")),
+                                          ("grad_clip", -1.0), ("checkpoint_every", 2.5), ("scheduler", "cosin"),
+                                          ("max_nonfinite_skips", -1), ("max_minutes", float("inf"))])
+def test_loop_config_values_are_checked(field, value):
+    with pytest.raises(ValueError, match=field if field != "scheduler" else "scheduler must be"):
+        LoopConfig(**{"max_steps": 4, field: value})

@@ -54,6 +54,32 @@ class LoopConfig:
     # stops; 0: the first one stops it
     max_nonfinite_skips: int = 0
 
+    def __post_init__(self):
+        """One sentence per bad value (a zero ``log_every`` would be a ZeroDivisionError mid-run)."""
+        def integer(name, lo):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+
+        def real(name, lo, allow_none=False, open_lo=False):
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or (v <= lo if open_lo else v < lo):
+                raise ValueError(f"{name} must be a finite number {'>' if open_lo else '>='} {lo}, got {v!r}")
+
+        for name, lo in (("max_steps", 1), ("warmup_steps", 0), ("log_every", 1), ("checkpoint_every", 0),
+                         ("keep_checkpoints", 0), ("micro_batch_size", 1), ("eval_every", 0),
+                         ("max_nonfinite_skips", 0)):
+            integer(name, lo)
+        real("learning_rate", 0.0)
+        real("weight_decay", 0.0)
+        real("grad_clip", 0.0, allow_none=True)
+        real("max_minutes", 0.0, allow_none=True)
+        if self.scheduler not in ("cosine", "linear", "constant"):
+            raise ValueError(f"scheduler must be cosine, linear or constant, got {self.scheduler!r}")
+
 
 class NonFiniteError(ValueError):
     """Training produced (or a checkpoint holds) a non-finite value."""

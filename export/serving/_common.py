@@ -94,8 +94,8 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
 
 
 def check_finite(named_tensors, where) -> None:
-    """Refuse (:class:`ArtifactError`) to export non-finite weights: a serving engine would load
-    them and generate garbage."""
+    """Refuse (:class:`ArtifactError`) to export, or read back, non-finite weights: a serving
+    engine would load them and generate garbage."""
     for name, t in named_tensors:
         if torch.is_tensor(t) and t.is_floating_point():
             bad = int((~torch.isfinite(t.detach())).sum())
@@ -249,4 +249,5 @@ def load_into(module, tensors: dict[str, torch.Tensor], file, what: str) -> None
             raise ArtifactError(f"{file}: missing tensor {name!r} for {what}")
         if tuple(tensors[name].shape) != tuple(ref.shape):
             raise ArtifactError(f"{file}: tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {tuple(ref.shape)}")
+    check_finite(tensors.items(), file)
     module.load_state_dict({k: v.to(expected[k].dtype) for k, v in tensors.items()}, strict=True)
