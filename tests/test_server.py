@@ -224,6 +224,7 @@ def test_cancelled_stream_frees_its_slot(server, client):
 BAD = [
     ("/v1/completions", b'{"model": "tiny-serve", "prompt": ', 400, None),
     ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", b'{"model": "tiny-serve", "prompt": "' + b"a" * (5 << 20) + b'"}', 413, None),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
     ("/v1/completions", {"prompt": "hi"}, 400, "model"),
     ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404, "model"),
@@ -369,6 +370,7 @@ def test_full_queue_answers_429_and_recovers():
             body = {"model": "tiny", "prompt": [1, 2], "max_tokens": 2}
             r = http.post("/v1/completions", json=body)
             assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+            assert r.headers["retry-after"] == "1"
             # a model without a tokenizer: chat and text prompts are refused, token ids work
             r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

@@ -45,6 +45,7 @@ from .scheduler import QueueFull, Request, ServingEngine
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 MAX_STOPS = 16
+MAX_BODY_BYTES = 4 << 20  # contexts are <= 4096 tokens: far more than any valid request needs
 # below these, float32 sampling breaks (inf logits / a top_p that rounds to 0 drops every token) and
 # the result is the top token anyway: temperature -> greedy, top_p -> this floor
 MIN_TEMPERATURE = 1e-5
@@ -92,15 +93,16 @@ class CompletionRequest(_Common):
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
@@ -207,7 +209,8 @@ class _Run:
         try:
             self.handle = self.engine.submit(self.req, loop=asyncio.get_running_loop())
         except QueueFull as e:
-            raise APIError(429, str(e), type="rate_limit_exceeded", code="rate_limit_exceeded") from None
+            raise APIError(429, str(e), type="rate_limit_exceeded", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"}) from None
         except ValueError as e:
             raise _engine_error(str(e)) from None
         except RuntimeError as e:  # the engine is closed
@@ -276,7 +279,17 @@ def create_app(engine: ServingEngine, model_name: str, metrics=None) -> FastAPI:
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
 
     async def parse(http: HTTPRequest, model: type[BaseModel]):
-        raw = await http.body()
+        too_big = APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
+        declared = http.headers.get("content-length") or "0"
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise too_big
+        chunks, size = [], 0
+        async for part in http.stream():
+            size += len(part)
+            if size > MAX_BODY_BYTES:
+                raise too_big
+            chunks.append(part)
+        raw = b"".join(chunks)
         try:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
@@ -413,10 +426,10 @@ def create_app(engine: ServingEngine, model_name: str, metrics=None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        alive = engine._thread is None or engine._thread.is_alive()
-        load = engine.load()
-        return JSONResponse({"status": "ok" if alive and not engine._stop else "unavailable", "model": model_name,
-                             **load}, status_code=200 if alive and not engine._stop else 503)
+        thread = getattr(engine, "_thread", None)
+        ok = (thread is None or thread.is_alive()) and not getattr(engine, "_stop", False)
+        return JSONResponse({"status": "ok" if ok else "unavailable", "model": model_name, **engine.load()},
+                            status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics_endpoint():
