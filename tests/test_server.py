@@ -334,7 +334,8 @@ def test_metrics_add_up_to_what_the_clients_received(server, client):
     assert after["specfoundry_tau"] == pytest.approx(after["specfoundry_generation_tokens_total"] / steps)
     assert 1.0 <= after["specfoundry_tau"] <= 4.0
     for name in ("specfoundry_batch_size", "specfoundry_queue_depth", "specfoundry_running",
-                 "specfoundry_speculating_requests", "specfoundry_inter_token_latency_seconds_count"):
+                 "specfoundry_speculating_requests", "specfoundry_inter_token_latency_seconds_count",
+                 "process_resident_memory_bytes"):
         assert name in after
     assert after["specfoundry_running"] == 0 and after["specfoundry_queue_depth"] == 0
 

@@ -18,6 +18,8 @@ Names (all prefixed ``specfoundry_``), following vLLM's where one exists:
   ``spec_decode_num_accepted_tokens_per_pos_total{position}`` (position 0 = the first drafted
   token; acceptance at position p = accepted_per_pos[p] / drafts that reached depth p+1,
   ``spec_decode_num_drafts_per_pos_total{position}``);
+- the standard ``process_*`` (``process_resident_memory_bytes``, CPU seconds, open fds),
+  ``python_info`` and ``python_gc_*`` series of this process (``process=False`` leaves them out);
 - histograms ``time_to_first_token_seconds`` (observed when the request finishes, from its
   stats), ``inter_token_latency_seconds`` (per token: the gap between two deliveries to a request
   divided by the tokens in the later one), ``e2e_request_latency_seconds``, ``step_seconds``.
@@ -31,7 +33,8 @@ from __future__ import annotations
 
 import threading
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, GCCollector, Histogram,
+                               PlatformCollector, ProcessCollector, generate_latest)
 
 PREFIX = "specfoundry_"
 
@@ -53,9 +56,13 @@ class PrometheusMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, process: bool = True):
         self.registry = registry if registry is not None else CollectorRegistry()
         r, p = self.registry, PREFIX
+        if process:  # the standard process_* (resident memory, CPU seconds, fds), python_* series
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+            GCCollector(registry=r)
         self.requests = Counter(p + "requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens delivered to requests", registry=r)
