@@ -167,6 +167,10 @@ def test_stop_strings_truncate_and_free_the_slot(server, client):
                                            stop=stop, stream=True))
     assert "".join(p.choices[0].text for p in parts) == expected
     assert parts[-1].choices[0].finish_reason == "stop"
+    # a stop string in the very last text still finishes with "stop"
+    tail = text[-2:]
+    r = client.completions.create(model=MODEL, prompt=[7, 8, 9, 7, 8], max_tokens=40, temperature=0, stop=tail)
+    assert r.choices[0].text == text[: text.find(tail)] and r.choices[0].finish_reason == "stop"
     assert _wait_idle(server)["running"] == 0
 
 

@@ -217,11 +217,12 @@ class _Run:
             raise APIError(503, str(e), type="server_error", code="service_unavailable") from None
 
     async def _watch_disconnect(self) -> None:
-        while True:
-            msg = await self.http.receive()
-            if msg["type"] == "http.disconnect":
-                self.handle.cancel()
-                return
+        try:
+            while (await self.http.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # the connection is gone in some other way
+            pass
+        self.handle.cancel()
 
     async def deltas(self):
         """Text deltas (possibly empty strings are skipped); sets the finish fields at the end."""
@@ -231,18 +232,18 @@ class _Run:
                 self.completion_tokens += len(ev.token_ids)
                 if ev.stats is not None:
                     self.stats = ev.stats
-                if ev.finish_reason is not None:
-                    if not self.matcher.stopped:
-                        self.finish_reason = ev.finish_reason
-                    if ev.finish_reason == "error":
-                        self.error = ev.error or "generation failed"
                 text = self.matcher.feed(ev.text) if ev.text else ""
-                if ev.finish_reason is not None and not self.matcher.stopped:
-                    text += self.matcher.flush()
                 if self.matcher.stopped and self.finish_reason is None:
                     # a stop string: end it in the engine now (the next events drain one step)
                     self.finish_reason = "stop"
-                    self.handle.cancel()
+                    if ev.finish_reason is None:
+                        self.handle.cancel()
+                if ev.finish_reason is not None:
+                    if ev.finish_reason == "error":
+                        self.error = ev.error or "generation failed"
+                    if self.finish_reason is None:
+                        self.finish_reason = ev.finish_reason
+                        text += self.matcher.flush()
                 if text:
                     yield text
         finally:
