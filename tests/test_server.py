@@ -137,6 +137,11 @@ def test_chat_completion_streamed_equals_non_streamed(client):
     assert last.choices == [] and last.usage.completion_tokens == u.completion_tokens
     assert last.usage.prompt_tokens == u.prompt_tokens
     assert all(c.usage is None for c in chunks[:-1])
+    # content as text parts is the same conversation
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             msgs[1]]
+    r2 = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=24, temperature=0)
+    assert r2.choices[0].message.content == ch.message.content
 
 
 def test_completion_text_and_token_ids(client):

@@ -57,11 +57,20 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: str | list[TextPart]  # text parts are joined
     name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class _Common(BaseModel):
@@ -107,6 +116,8 @@ class APIError(Exception):
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
 _HINTS = {"prompt": "prompt must be a non-empty string or a list of token ids (integers)",
+          "messages": "messages must be a non-empty list of {role: system|user|assistant, content: a string "
+                      "or a list of {type: text, text}}",
           "stop": "stop must be a string or a list of strings"}
 
 
@@ -122,7 +133,7 @@ def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
     elif kind == "missing":
         msg = f"{param!r} is required"
     elif loc and loc[0] in _HINTS:
-        msg = _HINTS[loc[0]]
+        msg = _HINTS[loc[0]] + (f" ({param}: {first.get('msg')})" if len(errs) == 1 else "")
     else:
         msg = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     return APIError(400, msg, param=param, code=kind)
@@ -396,7 +407,7 @@ def create_app(engine: ServingEngine, model_name: str, metrics=None) -> FastAPI:
             raise APIError(400, "this model has no tokenizer (and no chat template): use /v1/completions with "
                                 "the prompt as a list of token ids", param="messages")
         try:
-            ids = target.encode_chat([{"role": m.role, "content": m.content} for m in body.messages])
+            ids = target.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
         except Exception as e:  # a template that rejects this conversation
             raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
         if body.max_tokens is not None and body.max_completion_tokens is not None \
