@@ -397,6 +397,33 @@ def test_full_queue_answers_429_and_recovers():
         engine.close()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's own
+def test_an_engine_failure_is_a_500_then_503_never_a_hang():
+    from starlette.testclient import TestClient
+
+    from tiny_models import tiny_llama
+    from specfoundry.runtime.serving import ServingEngine
+    from specfoundry.runtime.serving.metrics import PrometheusMetrics
+    from specfoundry.runtime.serving.server import create_app
+
+    class Broken(PrometheusMetrics):
+        def step(self, *a):
+            raise RuntimeError("boom")
+
+    engine = ServingEngine(tiny_llama(0, dtype=torch.float32), None, max_batch=2, metrics=Broken())
+    try:
+        with TestClient(create_app(engine, "tiny", None)) as http:
+            body = {"model": "tiny", "prompt": [1, 2], "max_tokens": 4}
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+            assert http.get("/health").status_code == 503
+            assert http.get("/metrics").status_code == 404  # no metrics object given
+    finally:
+        engine.close()
+
+
 def test_stop_matcher_holds_back_what_may_become_a_stop_string():
     from specfoundry.runtime.serving.server import _StopMatcher
 
