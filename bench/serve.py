@@ -28,6 +28,7 @@ from .prompts import load_prompts, select
 
 SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "eval" / "spec_bench" / "question.jsonl"
 DEFAULT_RUN = Path("runs/eagle3-smollm2-135m/speculator")
+_MODELS: dict[str, str] = {}  # server URL -> the model id it serves
 
 
 def register(subparsers) -> None:
@@ -58,10 +59,17 @@ def _percentile(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
+def _model_id(url: str) -> str:
+    """The model name the server answers to (its ``/v1/models``)."""
+    import httpx
+
+    return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
 async def _one(client, url: str, messages: list[dict], max_tokens: int, speculate: bool,
                abandon_after: int | None = None) -> dict:
     """One streamed chat completion; timings from the client's side."""
-    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+    body = {"model": _MODELS[url], "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "speculate": speculate}
     t0 = time.perf_counter()
     first = None
@@ -89,7 +97,7 @@ async def _one(client, url: str, messages: list[dict], max_tokens: int, speculat
     spec = usage.get("speculative_decoding") or {}
     return {"tokens": n, "latency": end - t0, "ttft": (first or end) - t0,
             "tpot": ((end - first) / (n - 1)) if first is not None and n > 1 else None,
-            "tau": spec.get("tau"), "forwards": spec.get("target_forwards")}
+            "tau": spec.get("tau"), "forwards": n / spec["tau"] if spec.get("tau") else None}
 
 
 async def _level(url: str, prompts: list[list[dict]], concurrency: int, requests: int, seconds: float,
@@ -241,6 +249,8 @@ def main(args) -> int:
         on = stack.enter_context(serve_subprocess(common + ["--speculation-table", f"1-:{args.depth}"])) \
             if "on" in modes else None
         urls = {"off": aware, "on": on, "load-aware": aware}
+        for url in {u for u in urls.values() if u}:
+            _MODELS[url] = _model_id(url)
         # one warm-up request per server (first-call costs are not load)
         for url in {u for u in urls.values() if u}:
             asyncio.run(_level(url, prompts, 1, 1, 60, 8, True))
