@@ -59,20 +59,19 @@ def list_launcher_configs() -> dict[str, list[str]]:
     return out
 
 
-def read_accelerate_config(name_or_path: str) -> dict:
-    path = accelerate_config_path(name_or_path)
-    cfg = yaml.safe_load(path.read_text())
+def _read_mapping(path: Path, parse, kind: str) -> dict:
+    cfg = parse(path.read_text())
     if not isinstance(cfg, dict):
-        raise ValueError(f"{path} is not a YAML mapping")
+        raise ValueError(f"{path} is not a {kind}")
     return cfg
+
+
+def read_accelerate_config(name_or_path: str) -> dict:
+    return _read_mapping(accelerate_config_path(name_or_path), yaml.safe_load, "YAML mapping")
 
 
 def read_deepspeed_config(name_or_path: str) -> dict:
-    path = deepspeed_config_path(name_or_path)
-    cfg = json.loads(path.read_text())
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path} is not a JSON object")
-    return cfg
+    return _read_mapping(deepspeed_config_path(name_or_path), json.loads, "JSON object")
 
 
 def zero_stage(recipe) -> int:
