@@ -8,9 +8,12 @@ the URL once it accepts connections, and serves until SIGINT/SIGTERM.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
+
+PARENT_ENV = "SPECFOUNDRY_SERVE_PARENT_PID"  # set by launch.serve_subprocess: exit when that process is gone
 
 
 def register(subparsers) -> None:
@@ -93,6 +96,15 @@ def _serve(args) -> int:
                   f"max batch {engine.max_batch}, context {engine.max_context})", flush=True)
 
     threading.Thread(target=announce, name="serve-announce", daemon=True).start()
+    parent = os.environ.get(PARENT_ENV)
+    if parent and parent.isdigit():  # started by serve_subprocess: do not outlive it
+
+        def watch_parent():
+            while os.getppid() == int(parent) and not server.should_exit:
+                time.sleep(1.0)
+            server.should_exit = True
+
+        threading.Thread(target=watch_parent, name="serve-parent", daemon=True).start()
     try:
         server.run()
     finally:

@@ -48,22 +48,26 @@ def health(url: str, timeout: float = 2.0) -> dict | None:
 
 @contextlib.contextmanager
 def serve_subprocess(args: list[str], timeout: float = 180.0, stop_timeout: float = 10.0, env: dict | None = None,
-                     python: str | None = None, attempts: int = 3):
+                     python: str | None = None, attempts: int = 3, log: str | None = None):
     """Run ``python -m specfoundry.runtime.cli serve *args --port <free port>``; yield its base URL.
 
     ``timeout``: seconds to wait for /health (model loading included); ``env``: extra environment
-    variables; ``attempts``: new ports to try when the chosen one was taken meanwhile."""
+    variables; ``attempts``: new ports to try when the chosen one was taken meanwhile; ``log``: a
+    file for the server's output (kept; default: a temporary file, removed). The server exits by
+    itself if this process dies."""
     host = args[args.index("--host") + 1] if "--host" in args else "127.0.0.1"
     if "--port" in args:
         raise ValueError("serve_subprocess picks the port itself; do not pass --port")
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    full_env.setdefault("SPECFOUNDRY_SERVE_PARENT_PID", str(os.getpid()))  # it exits if we die
     last_error = ""
     for _ in range(max(1, attempts)):
         port = free_port(host if host not in ("0.0.0.0", "::") else "127.0.0.1")
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-        log = tempfile.NamedTemporaryFile(prefix="specfoundry-serve-", suffix=".log", delete=False)
+        logf = open(log, "ab") if log else tempfile.NamedTemporaryFile(prefix="specfoundry-serve-", suffix=".log",
+                                                                        delete=False)
         cmd = [python or sys.executable, "-m", "specfoundry.runtime.cli", "serve", *args, "--port", str(port)]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=full_env)
         try:
             deadline = time.monotonic() + timeout
             while proc.poll() is None and time.monotonic() < deadline and health(url, timeout=1.0) is None:
@@ -73,8 +77,8 @@ def serve_subprocess(args: list[str], timeout: float = 180.0, stop_timeout: floa
                 return
             if proc.poll() is None:
                 raise TimeoutError(f"the server did not answer /health within {timeout:.0f} s: {' '.join(cmd)}\n"
-                                   f"{_tail(log.name)}")
-            last_error = _tail(log.name)
+                                   f"{_tail(logf.name)}")
+            last_error = _tail(logf.name)
             if "address already in use" not in last_error.lower():
                 raise RuntimeError(f"the server exited with code {proc.returncode}: {' '.join(cmd)}\n{last_error}")
         finally:
@@ -85,7 +89,8 @@ def serve_subprocess(args: list[str], timeout: float = 180.0, stop_timeout: floa
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-            log.close()
-            with contextlib.suppress(OSError):
-                os.unlink(log.name)
+            logf.close()
+            if not log:
+                with contextlib.suppress(OSError):
+                    os.unlink(logf.name)
     raise RuntimeError(f"no free port after {attempts} attempts:\n{last_error}")
