@@ -20,8 +20,7 @@ Names (all prefixed ``specfoundry_``), following vLLM's where one exists:
   ``spec_decode_num_drafts_per_pos_total{position}``);
 - the standard ``process_*`` (``process_resident_memory_bytes``, CPU seconds, open fds),
   ``python_info`` and ``python_gc_*`` series of this process (``process=False`` leaves them out);
-- histograms ``time_to_first_token_seconds`` (observed when the request finishes, from its
-  stats), ``inter_token_latency_seconds`` (per token: the gap between two deliveries to a request
+- histograms ``time_to_first_token_seconds`` (submission to the first token), ``inter_token_latency_seconds`` (per token: the gap between two deliveries to a request
   divided by the tokens in the later one), ``e2e_request_latency_seconds``, ``step_seconds``.
 
 Thread-safety: the hooks run on the engine thread, :meth:`render` on the server's; every
@@ -132,12 +131,13 @@ class PrometheusMetrics:
             if self._seq_steps:
                 self.tau.set(self._gen_tokens / self._seq_steps)
 
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
     def finished(self, reason: str, prompt_tokens: int, stats) -> None:
         self.requests.labels(finish_reason=reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         if stats is not None:
-            if stats.new_tokens > 0:
-                self.ttft.observe(stats.ttft_seconds)
             self.e2e.observe(stats.seconds)
 
     # -- the server's side ---------------------------------------------------------------------

@@ -177,7 +177,8 @@ class NullMetrics:
     def step(self, batch: int, queue_depth: int, speculating: int, seconds: float) -> None: ...
     def drafts(self, drafted: int, accepted: int, depth: int) -> None: ...
     def tokens(self, n: int, first: bool, seconds_since_last: float | None) -> None: ...
-    def finished(self, reason: str, prompt_tokens: int, stats: RequestStats) -> None: ...
+    def first_token(self, seconds: float) -> None: ...  # submission to first token, when it comes
+    def finished(self, reason: str, prompt_tokens: int, stats: RequestStats | None) -> None: ...
 
 
 class ServingEngine:
@@ -448,6 +449,7 @@ class ServingEngine:
         first = s.last_token_at is None
         if first:
             st.ttft_seconds = now - s.handle.submitted
+            self.metrics.first_token(st.ttft_seconds)
         self.metrics.tokens(len(step_tokens), first, None if first else now - s.last_token_at)
         s.last_token_at = now
         text = s.detok.push(step_tokens)
