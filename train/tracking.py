@@ -41,10 +41,23 @@ def wandb_run_dir(run_dir: Path) -> Path | None:
     return runs[-1] if runs else None
 
 
-def read_offline_history(run_path: Path) -> list[dict]:
+def read_offline_history(run_path: Path, wait_s: float = 15.0) -> list[dict]:
     """The history rows (``{key: value}``) logged to an offline W&B run, read back from its
     ``run-*.wandb`` file (a LevelDB-style log of protobuf records), so tests and reports can
-    check what was really logged without a W&B server."""
+    check what was really logged without a W&B server. W&B's writer process may still be
+    flushing when the run has been finished: the file is re-read until it holds the run's
+    ``exit`` record (at most ``wait_s`` seconds)."""
+    import time as _time
+
+    deadline = _time.monotonic() + wait_s
+    while True:
+        rows, complete = _parse_offline_run(run_path)
+        if complete or _time.monotonic() > deadline:
+            return rows
+        _time.sleep(0.1)
+
+
+def _parse_offline_run(run_path: Path) -> tuple[list[dict], bool]:
     import json as _json
 
     from wandb.proto import wandb_internal_pb2 as pb
@@ -52,7 +65,7 @@ def read_offline_history(run_path: Path) -> list[dict]:
     data = next(Path(run_path).glob("run-*.wandb")).read_bytes()
     if data[:4] != b":W&B":
         raise ValueError(f"{run_path}: not a W&B run file")
-    block, pos, pending, rows = 32768, 7, b"", []
+    block, pos, pending, rows, complete = 32768, 7, b"", [], False
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # block trailer too short for a header: skip to next block
             pos += block - pos % block
@@ -66,8 +79,14 @@ def read_offline_history(run_path: Path) -> list[dict]:
         pending = chunk if kind in (1, 2) else pending + chunk  # FULL/FIRST start a record
         if kind in (1, 4):  # FULL / LAST complete it
             rec = pb.Record()
-            rec.ParseFromString(pending)
-            if rec.WhichOneof("record_type") == "history":
+            try:
+                rec.ParseFromString(pending)
+            except Exception:  # noqa: BLE001 - a record still being written
+                break
+            which = rec.WhichOneof("record_type")
+            if which == "history":
                 rows.append({(i.key or "/".join(i.nested_key)): _json.loads(i.value_json) for i in rec.history.item})
+            elif which == "exit":
+                complete = True
             pending = b""
-    return rows
+    return rows, complete
