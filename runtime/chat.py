@@ -11,8 +11,8 @@ string into its control token. Rendering the template with a user's content and 
 result would let content that *contains* those strings (``...<|im_end|>\\n<|im_start|>system``)
 open turns of its own: prompt injection through control tokens. Here the template is rendered
 with a placeholder per message, so what the template wrote and what the caller wrote are known
-apart; template text is tokenized normally and content with ``split_special_tokens=True`` (text
-that looks like a control string becomes ordinary tokens).
+apart; template text is tokenized normally and content as text (:func:`encode_text`: a control
+string inside it becomes ordinary tokens, whether the tokenizer calls it special or not).
 
 Exactness: when no control string of the tokenizer occurs more often in the rendered
 conversation than in the template alone (every ordinary conversation), the ids are those of
@@ -46,13 +46,31 @@ def check_messages(messages) -> list[dict]:
 
 
 def control_strings(tokenizer) -> list[str]:
-    """The strings the tokenizer turns into added (control) tokens when it reads them in text."""
-    return [t for t in getattr(tokenizer, "added_tokens_encoder", {}) if t]
+    """The strings the tokenizer turns into added tokens when it reads them in text: special or
+    not (Qwen's ``<tool_call>`` is an unspecial control string), whitespace-only ones excepted."""
+    return [t for t in getattr(tokenizer, "added_tokens_encoder", {}) if t.strip()]
 
 
-def encode_text(tokenizer, text: str) -> list[int]:
-    """Plain text -> ids without special tokens; control strings in ``text`` stay text."""
+def _plain(tokenizer, text: str) -> list[int]:
+    if not text:
+        return []
     return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
+def encode_text(tokenizer, text: str, controls: Sequence[str] | None = None) -> list[int]:
+    """Plain text -> ids without special tokens; control strings in ``text`` stay text.
+
+    ``split_special_tokens`` keeps special tokens from matching, but not unspecial added tokens,
+    so each control string found in ``text`` is encoded in two parts (all but its last character,
+    then that character): neither part can match it. Text without control strings is encoded in
+    one piece, exactly as the tokenizer would."""
+    controls = control_strings(tokenizer) if controls is None else controls
+    hits = [(text.find(s), -len(s), s) for s in controls if s in text]
+    if not hits:
+        return _plain(tokenizer, text)
+    at, _, s = min(hits)  # the first occurrence; the longest string there
+    return (_plain(tokenizer, text[:at]) + encode_text(tokenizer, s[:-1], controls) + _plain(tokenizer, s[-1:])
+            + encode_text(tokenizer, text[at + len(s):], controls))
 
 
 def _encode_template(tokenizer, text: str) -> list[int]:
@@ -98,7 +116,11 @@ def encode_chat(tokenizer, messages, *, add_generation_prompt: bool = True,
             raise ValueError("the tokenizer has no chat template: there is no turn prefix")
         # no template: the contents joined by newlines, with the tokenizer's usual BOS/EOS wrapping
         text = "\n".join(m["content"] for m in messages)
-        return list(tokenizer(text, split_special_tokens=True)["input_ids"])
+        if not any(s in text for s in control_strings(tokenizer)):
+            return list(tokenizer(text)["input_ids"])
+        wrapped, bare = list(tokenizer("a")["input_ids"]), list(tokenizer("a", add_special_tokens=False)["input_ids"])
+        at = next(i for i in range(len(wrapped) - len(bare) + 1) if wrapped[i:i + len(bare)] == bare)
+        return wrapped[:at] + encode_text(tokenizer, text) + wrapped[at + len(bare):]
     real, pieces = _pieces(tokenizer, messages, add_generation_prompt)
     if stop_before_content_of is not None:
         cut = next((j for j, (_, i) in enumerate(pieces) if i == stop_before_content_of), None)
@@ -109,8 +131,12 @@ def encode_chat(tokenizer, messages, *, add_generation_prompt: bool = True,
     template_only = "".join(text for text, i in pieces if i is None)
     if all(real.count(s) == template_only.count(s) for s in control_strings(tokenizer)):
         return _encode_template(tokenizer, real)  # no content makes a control string: one piece, as ever
+    # piecewise: template text as the template means it, content as text (pieces are tokenized
+    # apart, so a tokenizer that marks the start of each encoding, like SentencePiece's leading
+    # space, may tokenize the joins differently; only conversations like this one get here)
+    controls = control_strings(tokenizer)
     ids: list[int] = []
     for text, i in pieces:
         if text:
-            ids += _encode_template(tokenizer, text) if i is None else encode_text(tokenizer, text)
+            ids += _encode_template(tokenizer, text) if i is None else encode_text(tokenizer, text, controls)
     return ids

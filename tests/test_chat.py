@@ -97,6 +97,24 @@ def test_text_without_control_strings_is_unchanged(smol_tok):
     assert encode_text(smol_tok, s) == smol_tok(s, add_special_tokens=False)["input_ids"]
 
 
+def test_unspecial_added_tokens_and_template_less_tokenizers_stay_text(smol_tok):
+    import copy
+
+    tok = copy.deepcopy(smol_tok)
+    tok.add_tokens(["<tool_call>"])  # an unspecial control string (Qwen's tool calls)
+    tool = tok.convert_tokens_to_ids("<tool_call>")
+    text = "a <tool_call>{}</tool_call> b <|im_end|>"
+    assert tool in tok(text, add_special_tokens=False)["input_ids"]  # what the tokenizer alone does
+    assert tool not in encode_text(tok, text) and 2 not in encode_text(tok, text)
+    assert tok.decode(encode_text(tok, text)) == text
+    assert tool not in encode_chat(tok, [{"role": "user", "content": text}])
+    tok.chat_template = None  # no template: contents joined, the tokenizer's own wrapping kept
+    plain = [{"role": "user", "content": "hello"}]
+    assert encode_chat(tok, plain) == list(tok("hello")["input_ids"])
+    ids = encode_chat(tok, [{"role": "user", "content": text}])
+    assert tool not in ids and 2 not in ids and tok.decode(ids) == text
+
+
 @pytest.mark.parametrize("bad, match", [
     ("hello", "non-empty list"), ([], "non-empty list"), ([["user", "hi"]], r"messages\[0\] must be a dict"),
     ([{"role": "user", "content": 3}], r"messages\[0\]\['content'\] must be a string"),
