@@ -347,6 +347,13 @@ def test_metrics_add_up_to_what_the_clients_received(server, client):
                  "process_resident_memory_bytes"):
         assert name in after
     assert after["specfoundry_running"] == 0 and after["specfoundry_queue_depth"] == 0
+    # the HTTP side: 4 completions, each a 200 on /v1/completions; the bad inputs were counted as 4xx
+    assert sum(v for k, v in after.items() if k.startswith("specfoundry_completions_total")) - \
+        sum(v for k, v in before.items() if k.startswith("specfoundry_completions_total")) == 4
+    ok = 'specfoundry_http_responses_total[["path", "/v1/completions"], ["status", "200"]]'
+    assert after[ok] - before.get(ok, 0) == 4
+    assert any(k.startswith("specfoundry_http_responses_total") and '"400"' in k for k in after)
+    assert after.get('specfoundry_completions_total[["finish_reason", "stop"]]', 0) >= 1  # stop strings
 
 
 # -- in process ------------------------------------------------------------------------------------

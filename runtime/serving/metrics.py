@@ -18,6 +18,9 @@ Names (all prefixed ``specfoundry_``), following vLLM's where one exists:
   ``spec_decode_num_accepted_tokens_per_pos_total{position}`` (position 0 = the first drafted
   token; acceptance at position p = accepted_per_pos[p] / drafts that reached depth p+1,
   ``spec_decode_num_drafts_per_pos_total{position}``);
+- the server's ``http_responses_total{path,status}`` and ``completions_total{finish_reason}``
+  (finish reasons as clients saw them: a stop string is ``stop`` there, while the engine, which
+  the server cancels at a stop string, counts it under ``requests_total{finish_reason="cancelled"}``);
 - the standard ``process_*`` (``process_resident_memory_bytes``, CPU seconds, open fds),
   ``python_info`` and ``python_gc_*`` series of this process (``process=False`` leaves them out);
 - histograms ``time_to_first_token_seconds`` (submission to the first token), ``inter_token_latency_seconds`` (per token: the gap between two deliveries to a request
@@ -92,6 +95,11 @@ class PrometheusMetrics:
                              registry=r)
         self.step_seconds = Histogram(p + "step_seconds", "Seconds per engine step", buckets=STEP_BUCKETS,
                                       registry=r)
+        # the HTTP side (the server records these; an embedding without HTTP leaves them at 0)
+        self.http_responses = Counter(p + "http_responses", "HTTP responses by path and status code",
+                                      ["path", "status"], registry=r)
+        self.completions = Counter(p + "completions", "Completions as clients saw them, by finish reason (a stop "
+                                   "string counts as stop, a client gone as cancelled)", ["finish_reason"], registry=r)
         self._lock = threading.Lock()
         self._gen_tokens = 0
         self._seq_steps = 0

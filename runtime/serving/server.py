@@ -207,8 +207,8 @@ class _Run:
     finish reason, completion tokens and the engine's stats. Cancels the engine request when the
     client disconnects, when it is abandoned, or when a stop string ends it."""
 
-    def __init__(self, engine: ServingEngine, http: HTTPRequest, req: Request, stops: list[str]):
-        self.engine, self.http, self.req = engine, http, req
+    def __init__(self, engine: ServingEngine, http: HTTPRequest, req: Request, stops: list[str], metrics=None):
+        self.engine, self.http, self.req, self.metrics = engine, http, req, metrics
         self.matcher = _StopMatcher(stops)
         self.finish_reason: str | None = None
         self.completion_tokens = 0
@@ -261,14 +261,42 @@ class _Run:
             watcher.cancel()
             if self.handle is not None and not self.handle.finished.is_set():
                 self.handle.cancel()
+            if self.metrics is not None:
+                reason = self.finish_reason if self.finish_reason in ("stop", "length", "error") else "cancelled"
+                self.metrics.completions.labels(finish_reason=reason).inc()
         if self.stats is not None:
             self.completion_tokens = self.stats.get("new_tokens", self.completion_tokens)
+
+
+class _CountResponses:
+    """ASGI middleware counting responses by path and status (a plain ASGI wrapper: Starlette's
+    BaseHTTPMiddleware would get in the way of streaming and of disconnect detection)."""
+
+    PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+    def __init__(self, app, metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        path = path if path in self.PATHS else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.http_responses.labels(path=path, status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
 
 
 def create_app(engine: ServingEngine, model_name: str, metrics=None) -> FastAPI:
     """The FastAPI app serving ``engine`` as model ``model_name``; ``metrics`` (a
     :class:`~.metrics.PrometheusMetrics`, normally also passed to the engine) backs ``/metrics``."""
     app = FastAPI(title="specfoundry", docs_url=None, redoc_url=None, openapi_url=None)
+    if metrics is not None:
+        app.add_middleware(_CountResponses, metrics=metrics)
     app.state.engine, app.state.model_name, app.state.metrics = engine, model_name, metrics
     target = engine.target
     created = int(time.time())
@@ -337,7 +365,7 @@ def create_app(engine: ServingEngine, model_name: str, metrics=None) -> FastAPI:
                        top_k=body.top_k, top_p=top_p, seed=body.seed, speculate=body.speculate is not False)
 
     async def respond(http: HTTPRequest, body, req: Request, stops: list[str], chat: bool):
-        run = _Run(engine, http, req, stops)
+        run = _Run(engine, http, req, stops, metrics)
         run.submit()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
