@@ -50,6 +50,10 @@ def test_output_dir_stays_inside_unless_absolute(tmp_path, monkeypatch):
     assert "existing file" in output_dir_problems("afile")[0][1]
     assert "existing file" in output_dir_problems(str(tmp_path / "afile"))[0][1]
     assert output_dir_problems(str(tmp_path.parent / "explicit")) == []  # absolute: the user's choice
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "runs").symlink_to(tmp_path / "elsewhere")  # runs/ on another disk
+    assert output_dir_problems("runs/x", cwd=tmp_path / "work") == []
     with pytest.raises(RecipeError, match="output_dir: '../../..' leaves the working directory"):
         load_recipe("eagle3-smollm2-135m", ["output_dir=../../.."])
     assert load_recipe("eagle3-smollm2-135m", [f"output_dir={tmp_path.parent / 'explicit'}"]).output_dir

@@ -32,10 +32,11 @@ def output_dir_problems(output_dir: str | None, cwd: str | os.PathLike | None = 
     if full.exists() and not full.is_dir():
         return [("output_dir", f"{output_dir!r} is an existing file, not a run directory")]
     if not p.is_absolute():
-        resolved = full.resolve()
-        if resolved != base and base not in resolved.parents:
+        # lexically (``..`` parts), not through symlinks: a ``runs/`` linked to a larger disk is fine
+        lexical = Path(os.path.normpath(full))
+        if lexical != base and base not in lexical.parents:
             return [("output_dir", f"{output_dir!r} leaves the working directory {base} (it resolves to "
-                                   f"{resolved}); write an absolute path to put the run there on purpose")]
+                                   f"{lexical}); write an absolute path to put the run there on purpose")]
     return []
 
 
