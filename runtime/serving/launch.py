@@ -59,7 +59,8 @@ def serve_subprocess(args: list[str], timeout: float = 180.0, stop_timeout: floa
     if "--port" in args:
         raise ValueError("serve_subprocess picks the port itself; do not pass --port")
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    full_env.setdefault("SPECFOUNDRY_SERVE_PARENT_PID", str(os.getpid()))  # it exits if we die
+    # the server exits if this process dies (unless the caller's env names another parent)
+    full_env["SPECFOUNDRY_SERVE_PARENT_PID"] = (env or {}).get("SPECFOUNDRY_SERVE_PARENT_PID", str(os.getpid()))
     last_error = ""
     for _ in range(max(1, attempts)):
         port = free_port(host if host not in ("0.0.0.0", "::") else "127.0.0.1")
