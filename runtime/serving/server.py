@@ -27,6 +27,7 @@ events to the loop thread-safely (``ServingEngine.submit(..., loop=...)``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -268,6 +269,25 @@ class _Run:
             self.completion_tokens = self.stats.get("new_tokens", self.completion_tokens)
 
 
+class _EngineStream(StreamingResponse):
+    """A streaming response that cancels its engine request however the response ends, even when
+    the client is gone before the first chunk (the body iterator then never starts)."""
+
+    def __init__(self, content, handle, **kw):
+        super().__init__(content, **kw)
+        self.handle = handle
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.handle.finished.is_set():
+                self.handle.cancel()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
 class _CountResponses:
     """ASGI middleware counting responses by path and status (a plain ASGI wrapper: Starlette's
     BaseHTTPMiddleware would get in the way of streaming and of disconnect detection)."""
@@ -409,8 +429,9 @@ def create_app(engine: ServingEngine, model_name: str, metrics=None) -> FastAPI:
             try:
                 if chat:
                     yield chunk([choice("", None, first=True)])
-                async for text in run.deltas():
-                    yield chunk([choice(text, None)])
+                async with contextlib.aclosing(run.deltas()) as deltas:  # closed however this ends
+                    async for text in deltas:
+                        yield chunk([choice(text, None)])
                 if run.error is not None:
                     yield _sse(APIError(500, f"generation failed: {run.error}", type="server_error").body())
                 elif run.finish_reason == "cancelled":
@@ -425,8 +446,8 @@ def create_app(engine: ServingEngine, model_name: str, metrics=None) -> FastAPI:
                 if run.handle is not None and not run.handle.finished.is_set():
                     run.handle.cancel()
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _EngineStream(stream(), run.handle, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest):
