@@ -1,7 +1,7 @@
 """One engine step with fully static shapes, captured in CUDA graphs per bucket of node count.
 
 Scope: the decode/verify step of one :class:`~specfoundry.runtime.engine.EngineTarget` against
-one :class:`~specfoundry.runtime.engine.StaticKVCache` of fixed capacity, its static buffers and
+one :class:`~specfoundry.runtime.kvcache.StaticKVCache` of fixed capacity, its static buffers and
 its graphs; nothing about prefill (variable length: the ordinary forward), drafting or sampling.
 
 The engine's ordinary forward attends over ``cache[: past+n]``, a shape that changes every step.

@@ -25,8 +25,8 @@ What makes it cheaper than the HF path on a CPU, where per-op overhead and copie
   of layer ``i``, ``L`` = the final normed state) and LM-head rows only where asked;
 - left-padded batches (``valid``) for batched data generation, rows dropped as they finish.
 
-One concern (the decode-time forward and what it writes), kept whole at ~530 lines: the cache,
-masks, kernels and forward are read together when changing any of them.
+The cache, its masks and the attention over it live in :mod:`.kvcache` (re-exported here); this
+module holds the weights, the kernels and the forward.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kvcache import MaskBuffer, StaticKVCache, attend, grouped_attention, padded_mask, rotate
 from .target import TargetModel, TargetOutput
 
 __all__ = ["KERNELS", "EngineTarget", "LlamaEngine", "MaskBuffer", "PreparedLinears", "StaticKVCache", "attend",
@@ -130,170 +131,6 @@ class PreparedLinears:
             with torch.inference_mode(False), torch.no_grad():
                 hit = self._prepared[key] = (KERNELS[kernel][0](w.detach()), stamp)
         return KERNELS[kernel][1](x, hit[0], lin.bias)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE (HF's rotate-half convention) of ``x`` ``[B, n, heads, D]`` with ``cos``/``sin`` ``[B, n, 1, D]``."""
-    h = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
-
-
-def attend(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
-           mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Write ``k``/``v`` ``[B, n, hkv, D]`` into ``layer_kv`` ``[2, B, hkv, capacity, D]`` at
-    ``past .. past+n`` and attend ``q`` ``[B, n, hq, D]`` over ``0 .. past+n`` -> ``[B, n, hq*D]``.
-
-    Grouped-query attention without repeating K/V: the ``g`` query heads of one KV head are
-    stacked as ``g * n`` query rows against it (``mask`` from :class:`MaskBuffer` has that layout).
-    """
-    n = q.shape[1]
-    layer_kv[0, :, :, past: past + n].copy_(k.transpose(1, 2))
-    layer_kv[1, :, :, past: past + n].copy_(v.transpose(1, 2))
-    return grouped_attention(q, layer_kv[0, :, :, : past + n], layer_kv[1, :, :, : past + n], mask, scale)
-
-
-def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                      scale: float) -> torch.Tensor:
-    """``q`` ``[B, n, hq, D]`` against ``keys``/``values`` ``[B, hkv, S, D]`` -> ``[B, n, hq*D]``, the
-    ``g = hq/hkv`` query heads of one KV head stacked as ``g * n`` rows (``mask`` ``[B, 1, g*n, S]``)."""
-    B, n, hq, D = q.shape
-    hkv = keys.shape[1]
-    g = hq // hkv
-    qg = q.reshape(B, n, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, hkv, g * n, D)
-    o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
-    return o.view(B, hkv, g, n, D).permute(0, 3, 1, 2, 4).reshape(B, n, hq * D)
-
-
-class MaskBuffer:
-    """A preallocated all-True bool buffer out of which attention masks are cut: a forward writes
-    only its block over the newest columns and :meth:`release` resets it."""
-
-    def __init__(self, groups: int, device):
-        self.groups = groups
-        self.buf = torch.ones(0, 0, dtype=torch.bool, device=device)
-
-    def get(self, block: torch.Tensor | None, B: int, n: int, past: int) -> torch.Tensor | None:
-        """Bool ``[B, 1, g*n, past+n]`` (True = may attend): everything before the last ``k``
-        columns, and ``block`` ``[B, n, k]`` (``k <= past + n``) over them; ``block`` None means
-        causal among the ``n`` new tokens, which for a plain n=1 step needs no mask at all."""
-        if block is None and n == 1:
-            return None
-        if block is None:
-            block = torch.ones(n, n, dtype=torch.bool, device=self.buf.device).tril()
-        k = block.shape[-1]
-        rows, cols = self.groups * n, past + n
-        if self.buf.shape[0] < B * rows or self.buf.shape[1] < cols:
-            with torch.inference_mode():
-                self.buf = torch.ones(max(B * rows, self.buf.shape[0]), max(cols, 2 * self.buf.shape[1], 1024),
-                                      dtype=torch.bool, device=self.buf.device)
-        m = self.buf[: B * rows, :cols].view(B, 1, rows, cols)
-        m[:, 0, :, cols - k:].copy_(block.to(m.device).expand(B, n, k).repeat(1, self.groups, 1))
-        return m
-
-    def release(self, mask: torch.Tensor | None, k: int) -> None:
-        """Reset the last ``k`` columns :meth:`get` wrote (the block width)."""
-        if mask is not None:
-            mask[..., mask.shape[-1] - k:] = True
-
-
-def padded_mask(valid: torch.Tensor, block: torch.Tensor | None, n: int, past: int, groups: int) -> torch.Tensor:
-    """Bool ``[B, 1, g*n, past+n]`` for left-padded batches: column ``j`` is visible where
-    ``valid[b, j]`` (a real token) and, over the last ``k`` columns, where ``block`` allows (None =
-    causal among the ``n`` new tokens). Every query also sees itself, so a padding position never
-    has a fully masked row (whose NaN would reach the cache)."""
-    B, cols = valid.shape
-    if block is None:
-        block = torch.ones(n, n, dtype=torch.bool, device=valid.device).tril()
-    k = block.shape[-1]
-    m = valid[:, None, :].expand(B, n, cols).clone()
-    m[:, :, cols - k:] &= block.to(valid.device).expand(B, n, k)
-    m[:, :, past:] |= torch.eye(n, dtype=torch.bool, device=valid.device)
-    return m.repeat(1, groups, 1).unsqueeze(1)
-
-
-class StaticKVCache:
-    """Preallocated KV ``[layers, 2, batch, kv_heads, capacity, head_dim]`` for ``batch``
-    sequences of equal committed length.
-
-    Same contract as :class:`~specfoundry.runtime.target.KVCache`: a forward appends ``n``
-    pending entries at ``length .. length+n``; :meth:`commit` keeps some of them (in place).
-    Used by the target engine and by the EAGLE heads' drafting steps.
-    """
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, *, batch: int = 1, capacity: int = 1024,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        self.shape = (layers, 2, batch, kv_heads, capacity, head_dim)
-        self.batch = batch
-        self.kv = self._empty(capacity, dtype, device)
-        self.length = 0
-        self._pending = 0
-
-    @torch.inference_mode()
-    def _empty(self, capacity: int, dtype, device) -> torch.Tensor:
-        return torch.zeros(*self.shape[:4], capacity, self.shape[5], dtype=dtype, device=device)
-
-    @torch.inference_mode()
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep the sequences ``rows`` (e.g. drop finished ones from a batch): one copy of them."""
-        self.kv = self.kv[:, :, rows.to(self.kv.device)].contiguous()
-        self.batch = self.kv.shape[2]
-        self.shape = (*self.shape[:2], self.batch, *self.shape[3:])
-
-    def rebatch(self, batch: int) -> None:
-        """Reallocate an empty cache for ``batch`` sequences."""
-        if self.length or self._pending:
-            raise RuntimeError("only an empty cache can change its batch size")
-        self.shape = (*self.shape[:2], batch, *self.shape[3:])
-        self.batch = batch
-        self.kv = self._empty(self.capacity, self.kv.dtype, self.kv.device)
-
-    @property
-    def capacity(self) -> int:
-        return self.kv.shape[-2]
-
-    def reserve(self, n: int) -> None:
-        """Make room for ``n`` more entries past the committed length (doubling, rarely)."""
-        need = self.length + n
-        if need <= self.capacity:
-            return
-        kv = self._empty(max(need, 2 * self.capacity), self.kv.dtype, self.kv.device)
-        with torch.inference_mode():
-            kv[..., : self.length, :].copy_(self.kv[..., : self.length, :])
-        self.kv = kv
-
-    def check_ready(self) -> None:
-        if self._pending:
-            raise RuntimeError("commit or roll back the previous forward before the next one")
-
-    def mark_appended(self, n: int) -> None:
-        self._pending = n
-
-    @torch.inference_mode()
-    def commit(self, keep: torch.Tensor | None = None) -> None:
-        """Keep the pending entries at ``keep`` (``[m]`` sorted indices into the last forward's new
-        tokens; None keeps all). Only the kept entries that are not already in place move."""
-        n, past = self._pending, self.length
-        self._pending = 0
-        if keep is None:
-            self.length = past + n
-            return
-        m = int(keep.numel())
-        if m:
-            keep = keep.to(device=self.kv.device, dtype=torch.long)
-            ar = torch.arange(m, device=keep.device)
-            moved = keep != ar  # sorted and unique: entries before the first gap are in place
-            if bool(moved.any()):
-                first = int(moved.to(torch.int8).argmax())
-                # keep[i] >= i, so writing slot past+i never clobbers a later source
-                self.kv[..., past + first: past + m, :] = self.kv[..., past + keep[first:], :]
-        self.length = past + m
-
-    def rollback(self) -> None:
-        self._pending = 0
-
-    def crop(self, length: int) -> None:
-        self._pending = 0
-        self.length = min(self.length, length)
 
 
 class LlamaEngine:

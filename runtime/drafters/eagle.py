@@ -3,7 +3,7 @@
 Scope: the head's KV bookkeeping and the tree search (EAGLE-2 dynamic trees, or chains) for one
 sequence (batch size 1). The head modules are in ``runtime/speculators/eagle.py``.
 
-KV cache. The head keeps its own preallocated :class:`~specfoundry.runtime.engine.StaticKVCache`
+KV cache. The head keeps its own preallocated :class:`~specfoundry.runtime.kvcache.StaticKVCache`
 over committed pairs ``(feature of token t, token t+1)``, run by the head's in-place
 :meth:`~specfoundry.runtime.speculators.eagle._EagleBase.step`. Committed pairs are queued by ``begin``/``commit`` and
 run at the next ``propose`` (so nothing is computed for a sequence that ends). The tree search
