@@ -210,6 +210,36 @@ def test_sixteen_concurrent_clients_each_get_their_solo_output(server, client):
     assert seq_steps / steps > 2
 
 
+def test_abandoned_streams_and_bad_requests_do_not_disturb_others(server, client):
+    prompts = [[(7 * i + j) % 300 + 2 for j in range(4 + i)] for i in range(8)]
+
+    def good(p):
+        return client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text
+
+    def abandon(i):
+        stream = client.completions.create(model=MODEL, prompt=[9, i + 1, 9], max_tokens=CONTEXT - 8,
+                                           temperature=0, stream=True)
+        for n, _ in enumerate(stream):
+            if n == 2 + i:
+                break
+        stream.close()
+
+    def bad(i):
+        body = [{"model": MODEL, "prompt": []}, b"{", {"model": MODEL, "prompt": "x", "top_k": -1},
+                {"model": MODEL, "prompt": [1] * (CONTEXT + 1)}][i]
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        return httpx.post(server + "/v1/completions", timeout=30, **kw).status_code
+
+    solo = [good(p) for p in prompts]
+    with cf.ThreadPoolExecutor(16) as pool:
+        goods = [pool.submit(good, p) for p in prompts]
+        others = [pool.submit(abandon, i) for i in range(4)] + [pool.submit(bad, i) for i in range(4)]
+        assert [f.result() for f in goods] == solo
+        assert [f.result() for f in others][4:] == [400] * 4
+    h = _wait_idle(server)
+    assert h["running"] == 0 and h["waiting"] == 0
+
+
 def test_cancelled_stream_frees_its_slot(server, client):
     before = _metrics(server)
     stream = client.completions.create(model=MODEL, prompt=[3, 1, 4, 1, 5], max_tokens=CONTEXT - 8, temperature=0,
