@@ -174,6 +174,9 @@ def test_policy_turns_speculation_off_as_load_grows():
     assert policy.choose(mons[:1]) == [4]  # 5 rows cost what 1 does
     assert policy.choose(mons[:2]) == [3, 3]  # 2 x 4 rows still do; 2 x 5 would not
     assert policy.choose(mons) == [0] * 16
+    # an occasional depth-1 probe keeps the estimates current under load
+    choices = [policy.choose(mons)[0] for _ in range(2 * policy.probe_every)]
+    assert choices.count(1) == 2 and choices.count(0) == 2 * policy.probe_every - 2
     depths = [policy.best_depth(mons[:b]) for b in (1, 2, 4, 8, 16)]
     assert depths == sorted(depths, reverse=True)  # never deeper under more load
     # a table overrides the cost model; opted-out requests never draft

@@ -20,7 +20,8 @@ prior). ``k_b = k`` for requests whose monitor has speculation on, else 0.
 and is re-probed after ``reprobe`` plain steps. A request may opt out (``speculate=False``).
 
 A table in the style of vLLM's ``num_speculative_tokens_per_batch_size`` (``"1-4:3,5-8:1,9-:0"``)
-overrides the cost model's depth; the per-request monitor still applies.
+overrides the cost model's depth; the per-request monitor still applies. When the estimates
+say no depth pays, a depth-1 probe still runs every ``probe_every`` steps so they stay current.
 """
 
 from __future__ import annotations
@@ -95,11 +96,15 @@ class SpeculationPolicy:
     """
 
     def __init__(self, max_depth: int, cost=None, table: str | None = None, *, window: int = 16,
-                 reprobe: int = 32, min_steps: int = 4):
+                 reprobe: int = 32, min_steps: int = 4, probe_every: int = 64):
         self.max_depth = max_depth
         self._cost = cost
         self.table = parse_table(table, max_depth)
         self.window, self.reprobe, self.min_steps = window, reprobe, min_steps
+        # when the estimates say "never speculate", one depth-1 step every probe_every steps keeps
+        # them current (traffic changes; the server-wide prior would otherwise never move again)
+        self.probe_every = probe_every
+        self._since_draft = 0
         self.pooled = AcceptanceTally(max_depth)  # every request's steps: the prior of new ones
         self.unit: float | None = None  # seconds per cost unit (measured)
         self.draft: float | None = None  # seconds per drafted token per row (measured)
@@ -176,4 +181,10 @@ class SpeculationPolicy:
             k = next((d for lo, hi, d in self.table if lo <= B <= hi), 0)
         if k is None:
             k = self.best_depth(monitors)
+            if k == 0 and any(m.speculating for m in monitors):
+                self._since_draft += 1
+                if self._since_draft >= self.probe_every:
+                    k = 1
+        if k:
+            self._since_draft = 0
         return [k if m.speculating else 0 for m in monitors]
