@@ -263,6 +263,8 @@ def test_cancelled_stream_frees_its_slot(server, client):
 BAD = [
     ("/v1/completions", b'{"model": "tiny-serve", "prompt": ', 400, None),
     ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),
+    ("/v1/completions", b"\xff\xfe{}", 400, None),
     ("/v1/completions", b'{"model": "tiny-serve", "prompt": "' + b"a" * (5 << 20) + b'"}', 413, None),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
     ("/v1/completions", {"prompt": "hi"}, 400, "model"),

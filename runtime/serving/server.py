@@ -354,6 +354,8 @@ def create_app(engine: ServingEngine, model_name: str, metrics=None) -> FastAPI:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
         try:
