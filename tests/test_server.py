@@ -165,7 +165,8 @@ def test_stop_strings_truncate_and_free_the_slot(server, client):
     assert len(text) > 20
     stop = text[len(text) // 2: len(text) // 2 + 3]
     expected = text[: text.find(stop)]
-    r = client.completions.create(model=MODEL, prompt=[7, 8, 9, 7, 8], max_tokens=40, temperature=0, stop=[stop, "\x00"])
+    r = client.completions.create(model=MODEL, prompt=[7, 8, 9, 7, 8], max_tokens=40, temperature=0,
+                                  stop=[stop, "\x00"])
     assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens <= 40
     parts = list(client.completions.create(model=MODEL, prompt=[7, 8, 9, 7, 8], max_tokens=40, temperature=0,
@@ -327,7 +328,8 @@ def test_extreme_valid_sampling_values_do_not_break_the_engine(server, client):
     """Values inside the ranges that float32 sampling cannot take as such (logits / 1e-300 is inf,
     top_p 1e-300 rounds to 0): the server maps them to what they mean (greedy, the top token)."""
     greedy = client.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=8, temperature=0)
-    for kw in ({"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-300}, {"temperature": 2.0, "extra_body": {"top_k": 1}},
+    for kw in ({"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-300},
+               {"temperature": 2.0, "extra_body": {"top_k": 1}},
                {"temperature": 1.0, "seed": -(2 ** 63)}):
         r = client.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=8, **kw)
         assert r.choices[0].finish_reason in ("length", "stop")
@@ -366,7 +368,8 @@ def test_metrics_add_up_to_what_the_clients_received(server, client):
     assert delta("specfoundry_time_to_first_token_seconds_count") == 4
     assert delta("specfoundry_e2e_request_latency_seconds_count") == 4
     # speculation ran and its counters are consistent
-    drafts, tokens = after["specfoundry_spec_decode_num_drafts_total"], after["specfoundry_spec_decode_num_draft_tokens_total"]
+    drafts = after["specfoundry_spec_decode_num_drafts_total"]
+    tokens = after["specfoundry_spec_decode_num_draft_tokens_total"]
     accepted = after["specfoundry_spec_decode_num_accepted_tokens_total"]
     per_pos = [v for k, v in after.items() if k.startswith("specfoundry_spec_decode_num_accepted_tokens_per_pos_total")]
     assert drafts > 0 and tokens >= drafts and 0 < accepted <= tokens
@@ -421,7 +424,8 @@ def test_full_queue_answers_429_and_recovers():
             assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
             assert r.headers["retry-after"] == "1"
             # a model without a tokenizer: chat and text prompts are refused, token ids work
-            r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+            chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+            r = http.post("/v1/chat/completions", json=chat)
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
             busy.cancel()
             metrics.gate.set()

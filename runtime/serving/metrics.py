@@ -23,8 +23,9 @@ Names (all prefixed ``specfoundry_``), following vLLM's where one exists:
   the server cancels at a stop string, counts it under ``requests_total{finish_reason="cancelled"}``);
 - the standard ``process_*`` (``process_resident_memory_bytes``, CPU seconds, open fds),
   ``python_info`` and ``python_gc_*`` series of this process (``process=False`` leaves them out);
-- histograms ``time_to_first_token_seconds`` (submission to the first token), ``inter_token_latency_seconds`` (per token: the gap between two deliveries to a request
-  divided by the tokens in the later one), ``e2e_request_latency_seconds``, ``step_seconds``.
+- histograms ``time_to_first_token_seconds`` (submission to the first token),
+  ``inter_token_latency_seconds`` (per token: the gap between two deliveries to a request divided
+  by the tokens in the later one), ``e2e_request_latency_seconds``, ``step_seconds``.
 
 Thread-safety: the hooks run on the engine thread, :meth:`render` on the server's; every
 ``prometheus_client`` metric is thread-safe, and the two plain integers behind ``tau`` are
