@@ -157,3 +157,21 @@ def test_export_cli_refuses_an_out_that_is_a_file(tmp_path, capsys):
     assert "--out" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "missing-run")]) == 2
     assert "no such run directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind, key, value, where", [
+    ("eagle3", "intermediate_size", 10**9, "model.safetensors: key 'layer.mlp.gate_proj.weight': shape"),
+    ("medusa", "num_heads", 10**6, "architecture.num_heads': must be <="),
+    ("medusa", "num_layers", 10**6, "architecture.num_layers': must be <="),
+])
+def test_an_inflated_architecture_in_config_is_refused_before_allocating(tmp_path, target, kind, key, value, where):
+    """Checked against the weights' header on a memory-less build: a 10**9-wide MLP would need
+    ~128 GB (a MemoryError or the OOM killer) if it were built first."""
+    head = (Eagle3Head.from_target(target, draft_vocab_size=16, feature_layers=[0, 1, 2]) if kind == "eagle3"
+            else MedusaHeads.from_target(target, num_heads=2, feature_layers=[2]))
+    path = save_speculator(head, tmp_path / kind, target)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architecture"][key] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=where):
+        load_speculator(path, target)

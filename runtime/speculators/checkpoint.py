@@ -299,15 +299,32 @@ def load_speculator(path, target, device=None, dtype=None) -> nn.Module:
     weights = path / WEIGHTS_NAME
     if not weights.is_file():
         raise CheckpointError(weights, None, "missing")
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
+
+    from .eagle import seeded_init
+
+    # shapes first, from the file's header and a module built without memory: a config.json that
+    # inflates the architecture (intermediate_size = 10**9) is a clear error, not an allocation
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            header = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(weights, None, f"unreadable safetensors file: {exc}") from None
+    try:
+        with seeded_init(0), torch.device("meta"):
+            shapes = {k: tuple(v.shape) for k, v in cls.build(cfg["architecture"], target).state_dict().items()}
+    except Exception:  # noqa: BLE001 - a class that cannot build on "meta": checked after the real build
+        shapes = None
+    if shapes is not None:
+        for name, shape in shapes.items():
+            if name in header and header[name] != shape:
+                raise CheckpointError(weights, name, f"shape {header[name]} != expected {shape}")
 
     try:
         tensors = load_file(str(weights), device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(weights, None, f"unreadable safetensors file: {exc}") from None
-
-    from .eagle import seeded_init
 
     with seeded_init(0):  # the weights are overwritten; keep the caller's RNG untouched
         module = cls.build(cfg["architecture"], target)

@@ -41,6 +41,9 @@ class ResBlock(nn.Module):
         return x + self.act(self.linear(x))
 
 
+MAX_HEAD_LAYERS = 16  # residual blocks per head (Medusa uses 1)
+
+
 class MedusaHeads(nn.Module):
     type: ClassVar[str] = "medusa"
     ARCHITECTURE_SCHEMA: ClassVar[dict] = {
@@ -87,9 +90,16 @@ class MedusaHeads(nn.Module):
     @classmethod
     def architecture_problems(cls, arch: dict, target=None) -> list[tuple[str, str]]:
         out = []
+        from ..adaptive import MAX_DRAFT_DEPTH
+
         for k in ("hidden_size", "vocab_size", "num_heads", "num_layers"):
             if arch[k] < (0 if k == "num_layers" else 1):
                 out.append((k, f"must be >= {0 if k == 'num_layers' else 1}, got {arch[k]}"))
+        # head k drafts depth k + 1: more heads than the deepest allowed draft are never used
+        if arch["num_heads"] > MAX_DRAFT_DEPTH:
+            out.append(("num_heads", f"must be <= {MAX_DRAFT_DEPTH} (the deepest draft), got {arch['num_heads']}"))
+        if arch["num_layers"] > MAX_HEAD_LAYERS:
+            out.append(("num_layers", f"must be <= {MAX_HEAD_LAYERS}, got {arch['num_layers']}"))
         if len(arch["feature_layers"]) != 1:
             out.append(("feature_layers", f"Medusa reads exactly one feature layer, got {arch['feature_layers']}"))
         if target is not None:
