@@ -135,6 +135,9 @@ def _lock_for(target) -> _TargetLock:
 
 
 CONTEXT_OVERFLOW = ("error", "truncate_prompt")
+# the KV cache is preallocated for prompt + max_new_tokens: without a context length to check
+# against, this bounds what one request can allocate
+MAX_NEW_TOKENS_UNKNOWN_CONTEXT = 1 << 17
 
 
 class SpeculativeGenerator:
@@ -235,6 +238,9 @@ class SpeculativeGenerator:
             raise ValueError(f"context_overflow must be one of {CONTEXT_OVERFLOW}, got {context_overflow!r}")
         ids = self._prompt_ids(messages, prompt, prompt_ids)
         limit = self.context_length
+        if limit is None and max_new_tokens > MAX_NEW_TOKENS_UNKNOWN_CONTEXT:
+            raise ValueError(f"max_new_tokens {max_new_tokens} is more than {MAX_NEW_TOKENS_UNKNOWN_CONTEXT} and the "
+                             "target states no context length (max_position_embeddings) to check it against")
         if limit is not None and len(ids) + max_new_tokens > limit:
             if context_overflow == "truncate_prompt" and max_new_tokens < limit:
                 ids = ids[len(ids) + max_new_tokens - limit:]

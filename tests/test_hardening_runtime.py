@@ -224,3 +224,10 @@ def test_a_stream_holds_the_target_and_the_same_thread_cannot_reenter(gen):
 def test_a_drafter_that_is_not_one_is_refused(target):
     with pytest.raises(ValueError, match="drafter must be a Drafter"):
         SpeculativeGenerator(target, "ngram")
+
+
+def test_max_new_tokens_is_bounded_when_the_target_states_no_context(target, monkeypatch):
+    g = SpeculativeGenerator(target)
+    monkeypatch.setattr(type(g), "context_length", property(lambda self: None))
+    with pytest.raises(ValueError, match="states no context length"):
+        g.generate(prompt_ids=PROMPT, max_new_tokens=10**9)

@@ -253,3 +253,12 @@ def test_train_run_refuses_an_unbounded_evaluation_shape_before_training(tmp_pat
 def test_loop_config_values_are_checked(field, value):
     with pytest.raises(ValueError, match=field if field != "scheduler" else "scheduler must be"):
         LoopConfig(**{"max_steps": 4, field: value})
+
+
+def test_overwrite_clears_a_run_directory_with_leftovers_of_atomic_writes(tmp_path):
+    run = tmp_path / "r"
+    claim_run_dir(run, resume=False, overwrite=False)
+    (run / "checkpoints" / ".tmp-step-0000004").mkdir(parents=True)
+    (run / ".speculator.abc.tmp").mkdir()
+    claim_run_dir(run, resume=False, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == ["run.json"]

@@ -100,6 +100,11 @@ _RUN_ENTRIES = {RUN_FILE, "checkpoints", "recipe.resolved.yaml", "speculator", "
                 "export", "target", "adapter"}
 
 
+def _ours(name: str) -> bool:
+    """An entry a run writes, or the leftover of one of its atomic writes (``.speculator.x.tmp``)."""
+    return name in _RUN_ENTRIES or any(name.startswith(f".{e}.") or name.startswith(f".tmp-{e}") for e in _RUN_ENTRIES)
+
+
 def _is_run_dir(run_dir: Path) -> bool:
     return (run_dir / RUN_FILE).is_file() or (run_dir / "checkpoints").is_dir() \
         or (run_dir / "recipe.resolved.yaml").is_file()
@@ -141,8 +146,8 @@ def check_run_dir(run_dir, *, resume: bool, overwrite: bool) -> None:
     if not overwrite:
         raise RunDirError(f"{run_dir} is not empty (it holds an earlier run or other files): pass --resume to "
                           "continue that run or --overwrite to clear it and start a new one")
-    if not _is_run_dir(run_dir) or any(p.name not in _RUN_ENTRIES for p in run_dir.iterdir()):
-        extra = sorted(p.name for p in run_dir.iterdir() if p.name not in _RUN_ENTRIES)
+    if not _is_run_dir(run_dir) or any(not _ours(p.name) for p in run_dir.iterdir()):
+        extra = sorted(p.name for p in run_dir.iterdir() if not _ours(p.name))
         raise RunDirError(f"--overwrite: {run_dir} is not a specfoundry run directory"
                           + (f" (it holds {', '.join(extra[:5])})" if extra else "") + "; refusing to clear it")
 
