@@ -218,3 +218,43 @@ def test_monitor_acceptance_starts_at_the_prior():
         m.record(2, 2)
     # only the last 16 steps count, shrunk towards the prior with the weight of 4
     assert m.acceptance([0.3, 0.2]) == pytest.approx([(16 + 4 * 0.3) / 20, (16 + 4 * 0.2) / 20])
+
+
+def test_one_failing_request_does_not_stop_the_others(target, monkeypatch):
+    """A drafter that raises: that request goes on plainly (same output); a verification that
+    raises: that request ends with "error", the others finish normally and the engine keeps serving."""
+    ps = prompts(4)
+    want = solo(target, ps)
+    d = DraftModelDrafter(perturbed_copy(target, 0.02), depth=3)
+    with ServingEngine(target, d, max_batch=4, speculation_table="1-:2") as eng:
+        bad = eng.drafter.fork()
+        calls = {"n": 0}
+
+        def broken_propose(ctx):
+            calls["n"] += 1
+            raise RuntimeError("planted drafter failure")
+
+        real_fork = eng.drafter.fork
+        forks = iter([bad])
+        monkeypatch.setattr(eng.drafter, "fork", lambda: next(forks, None) or real_fork())
+        monkeypatch.setattr(bad, "propose", broken_propose)
+        hs = [eng.submit(Request(p, max_new_tokens=24, stop_at_eos=False)) for p in ps]
+        got = [h.result() for h in hs]
+        assert calls["n"] >= 1 and [g[0] for g in got] == want
+
+        import specfoundry.runtime.serving.scheduler as sched
+        real_verify = sched.verify
+
+        def verify_failing_at_t05(draft, logits, sampling, gen):
+            if sampling.temperature == 0.5:  # the planted failure hits one request only
+                raise RuntimeError("planted verify failure")
+            return real_verify(draft, logits, sampling, gen)
+
+        monkeypatch.setattr(sched, "verify", verify_failing_at_t05)
+        h_bad = eng.submit(Request(ps[0], max_new_tokens=24, temperature=0.5, stop_at_eos=False, seed=1))
+        h_ok = eng.submit(Request(ps[1], max_new_tokens=24, stop_at_eos=False))
+        ids, _, last = h_bad.result()
+        assert last.finish_reason == "error" and "planted verify failure" in last.error and ids == []
+        assert h_ok.result()[0] == want[1]
+        monkeypatch.setattr(sched, "verify", real_verify)
+        assert eng.generate(Request(ps[2], max_new_tokens=24, stop_at_eos=False))[0] == want[2]

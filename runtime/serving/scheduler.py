@@ -24,6 +24,7 @@ import asyncio
 import itertools
 import math
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -39,6 +40,10 @@ from ..tree import Draft, ancestor_matrix, tree_depths
 from ..verify import verify
 from .policy import SpeculationPolicy
 from .slots import SlotCache, forward_slots
+
+
+MIN_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-6
 
 
 class QueueFull(RuntimeError):
@@ -156,7 +161,11 @@ class _Seq:
         r = handle.request
         self.handle = handle
         self.ids = torch.tensor([r.prompt_ids], dtype=torch.long, device=device)  # committed tokens
-        self.sampling = SamplingParams(r.temperature, r.top_k, r.top_p)
+        # below these float32 sampling breaks (inf logits; a top_p that keeps nothing) and the result
+        # is the top token anyway: a tiny temperature is greedy, a tiny top_p keeps the top token
+        temperature = 0.0 if r.temperature < MIN_TEMPERATURE else float(r.temperature)
+        top_p = None if r.top_p is None else max(float(r.top_p), MIN_TOP_P)
+        self.sampling = SamplingParams(temperature, r.top_k, top_p)
         self.gen = torch.Generator(device=device)
         if r.seed is not None:
             self.gen.manual_seed(r.seed)
@@ -222,6 +231,7 @@ class ServingEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self._errors: dict[int, str] = {}  # row -> error of the current step's failed requests
 
     # -- public, any thread ------------------------------------------------------------------
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
@@ -280,8 +290,8 @@ class ServingEngine:
             raise ValueError(f"top_p must be in (0, 1], got {r.top_p!r}")
         if r.top_k is not None and (not isinstance(r.top_k, int) or isinstance(r.top_k, bool) or r.top_k < 1):
             raise ValueError(f"top_k must be an integer >= 1, got {r.top_k!r}")
-        if r.seed is not None and (not isinstance(r.seed, int) or isinstance(r.seed, bool)):
-            raise ValueError(f"seed must be an integer, got {r.seed!r}")
+        if r.seed is not None and (not isinstance(r.seed, int) or isinstance(r.seed, bool) or not -2**63 <= r.seed < 2**63):
+            raise ValueError(f"seed must be a 64-bit signed integer, got {r.seed!r}")
 
     def _ensure_thread(self) -> None:
         with self._lock:
@@ -353,11 +363,18 @@ class ServingEngine:
             if self._seqs[row].handle.cancelled.is_set():
                 self._finish(row, "cancelled")
 
+    def _drop_drafter(self, seq: "_Seq", error: Exception) -> None:
+        """A drafter that raised: this request goes on with plain decoding (still lossless)."""
+        print(f"[specfoundry] request {seq.handle.id}: drafter failed ({type(error).__name__}: {error}); "
+              "continuing without speculation", file=sys.stderr)
+        seq.drafter = None
+
     def _finish(self, row: int, reason: str) -> None:
         seq = self._seqs[row]
         seq.stats.seconds = time.perf_counter() - seq.handle.submitted
-        tail = seq.detok.flush() if reason != "cancelled" else ""
-        seq.handle._put(Event([], tail, reason, stats=seq.stats.as_dict()))
+        tail = seq.detok.flush() if reason not in ("cancelled", "error") else ""
+        error = self._errors.get(row) if reason == "error" else None
+        seq.handle._put(Event([], tail, reason, error=error, stats=seq.stats.as_dict()))
         self.metrics.finished(reason, len(seq.handle.request.prompt_ids), seq.stats)
         moved = self.slots.remove(row)
         last = self._seqs.pop()
@@ -369,12 +386,15 @@ class ServingEngine:
         seqs, dev = self._seqs, self.engine.device
         t0 = time.perf_counter()
         depths = self.policy.choose([s.monitor if s.drafter is not None else _OFF for s in seqs])
-        drafts = []
+        drafts, failed = [], {}
         for s, k in zip(seqs, depths):
+            d = None
             if k > 0:
-                drafts.append(s.drafter.propose(DraftContext(s.ids, s.sampling, k, k + 1, s.gen)))
-            else:
-                drafts.append(Draft.root_only(s.ids[:, -1]))
+                try:
+                    d = s.drafter.propose(DraftContext(s.ids, s.sampling, k, k + 1, s.gen))
+                except Exception as e:  # noqa: BLE001 - one request's drafter must not stop the others
+                    self._drop_drafter(s, e)
+            drafts.append(d if d is not None else Draft.root_only(s.ids[:, -1]))
         t1 = time.perf_counter()
         B, N = len(seqs), max(d.num_nodes for d in drafts)
         tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
@@ -391,7 +411,14 @@ class ServingEngine:
         keeps, news, accepted = [], [], []
         for b, (s, d) in enumerate(zip(seqs, drafts)):
             n = d.num_nodes
-            res = verify(d, out.logits[b: b + 1, :n], s.sampling, s.gen)
+            try:
+                res = verify(d, out.logits[b: b + 1, :n], s.sampling, s.gen)
+            except Exception as e:  # noqa: BLE001 - fails this request only (its row is freed below)
+                failed[b] = f"{type(e).__name__}: {e}"
+                keeps.append(torch.zeros(1, dtype=torch.long))
+                news.append(None)
+                accepted.append(0)
+                continue
             path = res.path[0]
             path = path[path >= 0]
             keeps.append(path)
@@ -400,8 +427,11 @@ class ServingEngine:
         self.slots.commit(keeps)
         t2 = time.perf_counter()
         for b, (s, d) in enumerate(zip(seqs, drafts)):
-            if s.drafter is not None:  # told of every continuation, drafted or not
-                s.drafter.commit(news[b], out.features[b: b + 1, keeps[b]] if out.features is not None else None)
+            if s.drafter is not None and b not in failed:  # told of every continuation, drafted or not
+                try:
+                    s.drafter.commit(news[b], out.features[b: b + 1, keeps[b]] if out.features is not None else None)
+                except Exception as e:  # noqa: BLE001
+                    self._drop_drafter(s, e)
         t3 = time.perf_counter()
         drafted = sum(d.num_nodes - 1 for d in drafts)
         self.policy.record_step(t2 - t1, B * N, (t1 - t0) + (t3 - t2), drafted)
@@ -410,7 +440,11 @@ class ServingEngine:
         finished = []
         now = time.perf_counter()
         for b, (s, d) in enumerate(zip(seqs, drafts)):
-            self._emit(b, s, d, depths[b], accepted[b], news[b], now, finished)
+            if b in failed:
+                finished.append((b, "error"))
+            else:
+                self._emit(b, s, d, depths[b], accepted[b], news[b], now, finished)
+        self._errors = failed
         for row, reason in sorted(finished, reverse=True):
             self._finish(row, reason)
 

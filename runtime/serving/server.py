@@ -47,10 +47,6 @@ from .scheduler import QueueFull, Request, ServingEngine
 _STRICT = ConfigDict(extra="forbid", strict=True)
 MAX_STOPS = 16
 MAX_BODY_BYTES = 4 << 20  # contexts are <= 4096 tokens: far more than any valid request needs
-# below these, float32 sampling breaks (inf logits / a top_p that rounds to 0 drops every token) and
-# the result is the top token anyway: temperature -> greedy, top_p -> this floor
-MIN_TEMPERATURE = 1e-5
-MIN_TOP_P = 1e-6
 
 
 class StreamOptions(BaseModel):
@@ -379,10 +375,9 @@ def create_app(engine: ServingEngine, model_name: str, metrics=None) -> FastAPI:
             raise APIError(400, "the prompt is empty", param="prompt")
         if max_tokens is None:  # until the context is full (OpenAI's chat default)
             max_tokens = max(1, engine.max_context - len(prompt_ids))
+        # (the engine treats a temperature below 1e-5 as greedy and floors top_p: float32-safe)
         temperature = 0.0 if body.temperature is None else float(body.temperature)
-        if temperature < MIN_TEMPERATURE:  # logits / 1e-300 overflow: as vLLM, this small is greedy
-            temperature = 0.0
-        top_p = None if body.top_p is None else max(float(body.top_p), MIN_TOP_P)  # same tokens kept
+        top_p = None if body.top_p is None else float(body.top_p)
         return Request(prompt_ids=prompt_ids, max_new_tokens=max_tokens, temperature=temperature,
                        top_k=body.top_k, top_p=top_p, seed=body.seed, speculate=body.speculate is not False)
 
