@@ -17,6 +17,9 @@ def register(subparsers) -> None:
                    help="clear the run directory of an earlier run and start a new one")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe field")
     p.add_argument("--list", action="store_true", help="list the shipped recipes")
+    p.add_argument("--smoke", action="store_true",
+                   help="run the recipe's code path end to end on CPU at toy scale (tiny random target of the same "
+                        "family, 2 gloo processes, a few steps, then export); see specfoundry.train.smoke")
     p.set_defaults(func=run_train, usage=p.format_usage)
 
 
@@ -32,12 +35,28 @@ def run_train(args) -> int:
         print(usage + "specfoundry train: error: name a recipe (shipped: " + ", ".join(list_recipes())
               + "), e.g. `specfoundry train eagle3-smollm2-135m`", file=sys.stderr)
         return 2
+    if getattr(args, "smoke", False):
+        from .smoke import smoke_overrides
+
+        args.set = smoke_overrides(args.recipe) + list(args.set)  # the user's --set still win
     recipe = resolve(load_recipe(args.recipe, overrides=args.set or None))
+    from .preflight import format_checks, preflight, report_failures
+
     if args.dry_run:
         from .plan import format_plan, make_plan
 
-        print(format_plan(make_plan(recipe)))
+        plan = make_plan(recipe)
+        print(format_plan(plan))
+        print(format_checks(preflight(recipe, plan=plan)))
         return 0
+    checks = preflight(recipe, allow_download=True)  # before anything is spawned: one line per problem
+    if any(c.status == "fail" for c in checks):
+        report_failures(checks, recipe.name)
+        return 2
+    if getattr(args, "smoke", False):
+        from .smoke import run_smoke
+
+        return run_smoke(args, recipe)
     extra = (["--resume"] if args.resume else []) + (["--overwrite"] if args.overwrite else []) \
         + [x for kv in args.set for x in ("--set", kv)]
     if (recipe.launcher.num_processes or 1) == 1 and recipe.launcher.deepspeed is None:
