@@ -27,7 +27,7 @@ from .recipe_errors import suggest
 
 __all__ = ["packaged", "accelerate_config_path", "deepspeed_config_path", "list_launcher_configs",
            "read_accelerate_config", "read_deepspeed_config", "zero_stage", "launcher_problems", "launch_args",
-           "deepspeed_config_for", "process_counts"]
+           "deepspeed_config_for", "process_counts", "machine_settings"]
 
 
 def packaged(*parts: str):
@@ -121,6 +121,13 @@ def launcher_problems(r) -> list[tuple[str, str]]:
                                           "(zero2, zero3, zero3-offload)"))
     nproc = ln.num_processes or int(acc.get("num_processes", 1))
     nmach = ln.num_machines or int(acc.get("num_machines", 1))
+    rank = getattr(ln, "machine_rank", None)
+    rank = int(acc.get("machine_rank", 0)) if rank is None else int(rank)
+    if rank >= nmach:
+        out.append(("launcher.machine_rank", f"machine_rank {rank} with {nmach} machine(s) (ranks 0..{nmach - 1})"))
+    if nmach > 1 and not (getattr(ln, "main_process_ip", None) or acc.get("main_process_ip")):
+        out.append(("launcher.main_process_ip", f"{nmach} machines need the address of machine_rank 0 "
+                                                "(launcher.main_process_ip or the accelerate config's)"))
     if nproc % nmach:
         out.append(("launcher.num_processes", f"{nproc} processes do not split evenly over {nmach} machines "
                                               "(num_processes is the total over all machines)"))
@@ -152,7 +159,26 @@ def launch_args(recipe) -> list[str]:
     nproc, nmach = process_counts(recipe)
     args += ["--num_processes", str(nproc), "--num_machines", str(nmach),
              "--mixed_precision", {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[recipe.training.precision]]
+    rank, ip, port = machine_settings(recipe)
+    if nmach > 1 or getattr(ln, "machine_rank", None) is not None or getattr(ln, "main_process_ip", None) \
+            or getattr(ln, "main_process_port", None):
+        # accelerate: machine_rank 0 hosts the rendezvous at main_process_ip:main_process_port
+        args += ["--machine_rank", str(rank)]
+        if ip:
+            args += ["--main_process_ip", str(ip)]
+        if port:
+            args += ["--main_process_port", str(port)]
     return args
+
+
+def machine_settings(recipe) -> tuple[int, str | None, int | None]:
+    """``(machine_rank, main_process_ip, main_process_port)``: the recipe's, else its accelerate config's."""
+    ln = recipe.launcher
+    acc = read_accelerate_config(ln.config)
+    rank = getattr(ln, "machine_rank", None)
+    ip = getattr(ln, "main_process_ip", None) or acc.get("main_process_ip")
+    port = getattr(ln, "main_process_port", None) or acc.get("main_process_port")
+    return (int(acc.get("machine_rank", 0)) if rank is None else int(rank), ip, None if port is None else int(port))
 
 
 def deepspeed_config_for(recipe, hidden_size: int | None = None) -> dict | None:

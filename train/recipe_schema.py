@@ -62,6 +62,8 @@ class _Section(BaseModel):
 class TargetConfig(_Section):
     # built-in name ("smollm2-135m"), a local HF directory, or a hub id (presets cover the dry run)
     name: Str = "smollm2-135m"
+    # Hub revision (branch, tag or commit) a Hub id is pinned to (None: main); unused otherwise
+    revision: Str | None = None
     # dtype the frozen target runs in for data generation, hidden-state capture and evaluation;
     # labels should come from the dtype you serve in (bf16 and fp32 argmax differ on ~2%)
     dtype: Precision = "bf16"
@@ -310,6 +312,12 @@ class LauncherConfig(_Section):
     num_processes: int | None = Field(None, ge=1)
     # machines (None: the accelerate config's num_machines)
     num_machines: int | None = Field(None, ge=1)
+    # this machine's rank, 0 on the main one (None: the accelerate config's machine_rank); with
+    # several machines the same recipe runs on each, with --set launcher.machine_rank=N
+    machine_rank: int | None = Field(None, ge=0)
+    # address and port of machine_rank 0 (None: the accelerate config's)
+    main_process_ip: Str | None = None
+    main_process_port: int | None = Field(None, ge=1, le=65535)
     # memory of one device in GB, for the plan's fit check only (None: not checked)
     device_memory_gb: float | None = Field(None, gt=0)
 
