@@ -262,3 +262,16 @@ def test_overwrite_clears_a_run_directory_with_leftovers_of_atomic_writes(tmp_pa
     (run / ".speculator.abc.tmp").mkdir()
     claim_run_dir(run, resume=False, overwrite=True)
     assert sorted(p.name for p in run.iterdir()) == ["run.json"]
+
+
+def test_nan_in_the_optimizer_state_makes_a_checkpoint_unusable(tmp_path, setup):
+    run = tmp_path / "r"
+    _run(run, setup, stop_after=3)  # one checkpoint (step 2)
+    f = run / "checkpoints" / "step-0000002" / "optimizer.bin"
+    sd = torch.load(f, weights_only=True)
+    first = next(iter(sd["state"].values()))
+    first["exp_avg"].view(-1)[0] = float("nan")
+    torch.save(sd, f)
+    with pytest.warns(RuntimeWarning, match=r"non-finite values in optimizer state"), \
+            pytest.raises(ResumeError, match="step-0000002"):
+        _run(run, setup, resume=True)

@@ -181,8 +181,15 @@ def _nonfinite(tensors) -> str | None:
 
 
 def _optimizer_tensors(optimizer):
-    for i, st in enumerate(optimizer.state_dict().get("state", {}).values()):
-        for k, v in st.items():
+    """The optimizer's per-parameter state tensors (a plain torch optimizer's; a DeepSpeed ZeRO
+    optimizer keeps its partitions elsewhere, and its loss scaler guards those)."""
+    try:
+        sd = optimizer.state_dict()
+    except Exception:  # noqa: BLE001 - optimizers whose state_dict is collective or unsupported
+        return
+    state = sd.get("state") if isinstance(sd, dict) else None
+    for i, st in enumerate(state.values() if isinstance(state, dict) else ()):
+        for k, v in (st.items() if isinstance(st, dict) else ()):
             yield f"optimizer state {i}.{k}", v
 
 
