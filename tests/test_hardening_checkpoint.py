@@ -175,3 +175,18 @@ def test_an_inflated_architecture_in_config_is_refused_before_allocating(tmp_pat
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=where):
         load_speculator(path, target)
+
+
+@pytest.mark.parametrize("key, value, where", [
+    ("rope_parameters", {"rope_type": "bogus", "rope_theta": 10000.0}, "rope_parameters.rope_type"),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": float("nan")}, "rope_parameters.rope_theta"),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": -1.0}, "rope_parameters.rope_theta"),
+    ("hidden_act", "bogus", "architecture.hidden_act"),
+    ("rms_norm_eps", float("nan"), "architecture.rms_norm_eps"),
+])
+def test_bad_architecture_values_in_config_are_one_checkpoint_error(saved, target, key, value, where):
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg["architecture"][key] = value
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=where):
+        load_speculator(saved, target)

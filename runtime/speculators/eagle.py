@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from typing import ClassVar
 
 import torch
@@ -214,10 +215,22 @@ class _EagleBase(nn.Module):
                 out.append((k, f"must be >= 1, got {arch[k]}"))
         if not out and arch["num_attention_heads"] % arch["num_key_value_heads"]:
             out.append(("num_key_value_heads", f"{arch['num_key_value_heads']} does not divide num_attention_heads {arch['num_attention_heads']}"))
-        if arch["rms_norm_eps"] <= 0:
-            out.append(("rms_norm_eps", f"must be > 0, got {arch['rms_norm_eps']}"))
-        if "rope_type" not in arch["rope_parameters"] or "rope_theta" not in arch["rope_parameters"]:
+        if not (math.isfinite(arch["rms_norm_eps"]) and 0 < arch["rms_norm_eps"] < 1):
+            out.append(("rms_norm_eps", f"must be a finite number in (0, 1), got {arch['rms_norm_eps']}"))
+        from transformers.activations import ACT2FN
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if arch["hidden_act"] not in ACT2FN:
+            out.append(("hidden_act", f"unknown activation {arch['hidden_act']!r:.40}"))
+        rope = arch["rope_parameters"]
+        if "rope_type" not in rope or "rope_theta" not in rope:
             out.append(("rope_parameters", "must hold at least 'rope_type' and 'rope_theta'"))
+        else:
+            if rope["rope_type"] != "default" and rope["rope_type"] not in ROPE_INIT_FUNCTIONS:
+                out.append(("rope_parameters.rope_type", f"unknown rope type {rope['rope_type']!r:.40}"))
+            theta = rope["rope_theta"]
+            if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+                out.append(("rope_parameters.rope_theta", f"must be a finite number > 0, got {theta!r:.40}"))
         if not arch["feature_layers"]:
             out.append(("feature_layers", "must not be empty"))
         if target is not None:
