@@ -275,3 +275,19 @@ def test_nan_in_the_optimizer_state_makes_a_checkpoint_unusable(tmp_path, setup)
     with pytest.warns(RuntimeWarning, match=r"non-finite values in optimizer state"), \
             pytest.raises(ResumeError, match="step-0000002"):
         _run(run, setup, resume=True)
+
+
+def test_resume_with_a_changed_recipe_is_refused(tmp_path):
+    from specfoundry.train.recipe import dump_resolved, load_recipe, resolve
+    from specfoundry.train.run import check_resume_recipe, main
+
+    out = tmp_path / "r"
+    claim_run_dir(out, resume=False, overwrite=False)
+    recipe = resolve(load_recipe("eagle3-smollm2-135m", overrides=[f"output_dir={out}"]))
+    dump_resolved(recipe, out)
+    check_resume_recipe(recipe, out)  # the same recipe: fine
+    # reporting and checkpoint cadence may change on resume
+    check_resume_recipe(resolve(load_recipe("eagle3-smollm2-135m", overrides=[
+        f"output_dir={out}", "training.log_every=3", "evaluation.limit=2"])), out)
+    with pytest.raises(ValueError, match=r"recipe differs .*training.learning_rate"):
+        main(["eagle3-smollm2-135m", "--resume", "--set", f"output_dir={out}", "--set", "training.learning_rate=0.1"])

@@ -194,6 +194,48 @@ def save_result(recipe, target, module, state_dict, run_dir: Path, training_meta
     return save_speculator(fresh.to(target.device, target.dtype).eval(), out, target, training=training_meta), target
 
 
+# what a resume may change: how the run is reported, evaluated and checkpointed, not what it trains
+_RESUME_MAY_CHANGE = ("description", "output_dir", "evaluation", "tracking", "launcher", "data.cache_dir", "training.max_minutes",
+                      "training.log_every", "training.checkpoint_every", "training.keep_checkpoints")
+
+
+def _flat(obj, prefix: str = "") -> dict:
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: obj}
+
+
+def check_resume_recipe(recipe, run_dir: Path) -> None:
+    """``--resume`` continues the run with the recipe it started with: a changed method, target,
+    data or optimisation (a ``--set`` or an edited YAML) would mix two runs in one set of
+    weights. ``ValueError`` naming the fields that differ."""
+    import tempfile
+
+    import yaml
+
+    from .recipe import dump_resolved
+
+    old_file = run_dir / "recipe.resolved.yaml"
+    if not old_file.is_file():
+        return
+    try:
+        old = _flat(yaml.safe_load(old_file.read_text()) or {})
+    except (yaml.YAMLError, UnicodeDecodeError, AttributeError) as exc:
+        raise ValueError(f"--resume: {old_file} is unreadable ({exc}); start a new run with --overwrite") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        new = _flat(yaml.safe_load(dump_resolved(recipe, Path(tmp)).read_text()) or {})
+    differ = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)
+                    and not any(k == p or k.startswith(p + ".") for p in _RESUME_MAY_CHANGE))
+    if differ:
+        shown = "; ".join(f"{k}: {old.get(k)!r:.40} -> {new.get(k)!r:.40}" for k in differ[:5])
+        raise ValueError(f"--resume: the recipe differs from the one {run_dir} was started with ({shown}"
+                         + (f"; {len(differ) - 5} more" if len(differ) > 5 else "") + "); resume with "
+                         f"{old_file} or start a new run with --overwrite")
+
+
 def check_evaluation_shape(recipe) -> None:
     """The evaluation's draft shape within the runtime's bounds (``ValueError`` naming the field)."""
     from specfoundry.runtime.adaptive import MAX_DRAFT_DEPTH, check_int
@@ -231,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     # the run ends by measuring is one the runtime accepts (not a failure after hours of training)
     check_run_dir(run_dir, resume=args.resume, overwrite=args.overwrite)
     check_evaluation_shape(recipe)
+    if args.resume:
+        check_resume_recipe(recipe, run_dir)
     # the frozen target is loaded before the DeepSpeed plugin exists: under ZeRO-3 transformers
     # would otherwise partition it at load (it is replicated per process; only the head is sharded)
     target = load_target(recipe.target.name, dtype=_dtype(recipe.target.dtype))
