@@ -195,8 +195,9 @@ def save_result(recipe, target, module, state_dict, run_dir: Path, training_meta
 
 
 # what a resume may change: how the run is reported, evaluated and checkpointed, not what it trains
-_RESUME_MAY_CHANGE = ("description", "output_dir", "evaluation", "tracking", "launcher", "data.cache_dir", "training.max_minutes",
-                      "training.log_every", "training.checkpoint_every", "training.keep_checkpoints")
+_RESUME_MAY_CHANGE = ("description", "output_dir", "evaluation", "tracking", "launcher", "data.cache_dir",
+                      "training.max_minutes", "training.log_every", "training.checkpoint_every",
+                      "training.keep_checkpoints")
 
 
 def _flat(obj, prefix: str = "") -> dict:
