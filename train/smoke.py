@@ -15,8 +15,8 @@ swapped (what the machine cannot hold)
   - the launcher: a DeepSpeed recipe runs the CPU DeepSpeed config ``zero-cpu-2proc`` with the
     recipe's own ZeRO JSON (stage kept), 2 processes over gloo; a non-DeepSpeed multi-GPU one
     ``ddp-2proc``; a single-GPU one ``single-cpu``.
-  - data volume: ``hub`` and ``file`` prompt sources become a 12-prompt local file (no network),
-    ``magpie`` sources write 4 prompts; 16-token responses, ``max_seq_len`` 64, 2 held out.
+  - data volume: the prompt sources become one 12-prompt local file (no network; a random target
+    cannot write Magpie prompts); 16-token self-distilled responses, ``max_seq_len`` 64, 2 held out.
   - schedule and evaluation size: 2 steps of micro-batch 2 (``grad_accum`` kept), a checkpoint
     and an evaluation every step, 1 warm-up step; evaluation on 2 prompts, 16 tokens; no
     ``max_minutes`` budgets; output in ``runs/smoke/<recipe>``, data cache beside the tiny target.
@@ -144,15 +144,9 @@ def smoke_overrides(name_or_path: str, processes: int = 2) -> list[str]:
     text = "\n".join(json.dumps({"prompt": p}) for p in SMOKE_PROMPTS) + "\n"
     if not prompts_file.is_file() or prompts_file.read_text() != text:
         prompts_file.write_text(text)
-    sources, file_added = [], False
-    for src in raw.get("data", {}).get("prompts") or [{"source": "magpie"}]:
-        kind = (src or {}).get("source", "magpie")
-        if kind == "magpie":
-            sources.append({**src, "count": 4, "max_prompt_tokens": 16})
-        elif not file_added:
-            sources.append({"source": "file", "path": str(prompts_file), "limit": len(SMOKE_PROMPTS)})
-            file_added = True
-    sets["data.prompts"] = sources
+    # every source becomes one local file: hub/file data is not here, and a random target writes
+    # no usable Magpie prompts (its samples never end, so all are dropped after minutes of sampling)
+    sets["data.prompts"] = [{"source": "file", "path": str(prompts_file), "limit": len(SMOKE_PROMPTS)}]
     sets["data.responses.max_new_tokens"] = 16
     sets["data.responses.batch_size"] = 8
     sets["data.responses.dtype"] = "fp32"
