@@ -231,3 +231,26 @@ def test_max_new_tokens_is_bounded_when_the_target_states_no_context(target, mon
     monkeypatch.setattr(type(g), "context_length", property(lambda self: None))
     with pytest.raises(ValueError, match="states no context length"):
         g.generate(prompt_ids=PROMPT, max_new_tokens=10**9)
+
+
+def test_two_generators_sharing_a_target_share_its_lock(target):
+    a = SpeculativeGenerator(target, load_drafter("ngram", target=target))
+    b = SpeculativeGenerator(target, load_drafter("eagle3", target=target))
+    assert a._lock is b._lock
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
+    solo = [a.generate(prompt_ids=prompts[0], max_new_tokens=10).token_ids,
+            b.generate(prompt_ids=prompts[1], max_new_tokens=10).token_ids]
+    out, errors = [None, None], []
+
+    def work(i, g):
+        try:
+            out[i] = [g.generate(prompt_ids=prompts[i], max_new_tokens=10).token_ids for _ in range(3)]
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(0, a)), threading.Thread(target=work, args=(1, b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and out == [[solo[0]] * 3, [solo[1]] * 3]
