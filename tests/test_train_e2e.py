@@ -160,3 +160,40 @@ def test_draft_distillation_run_saves_a_loadable_hf_draft(tmp_path, tiny_target_
     spec_out = gen.generate(prompt="Hello there", max_new_tokens=12, stop_at_eos=False)
     assert spec_out.token_ids == gen.generate(prompt="Hello there", max_new_tokens=12, stop_at_eos=False,
                                               speculate=False).token_ids
+
+
+def _poison(safetensors_file: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(safetensors_file))
+    name = next(k for k, v in t.items() if v.is_floating_point() and v.numel() > 1)
+    t[name] = t[name].clone()
+    t[name].view(-1)[0] = float("nan")
+    save_file(t, str(safetensors_file), metadata={"format": "pt"})
+
+
+@pytest.mark.slow
+def test_run_directory_ownership_and_nan_checkpoints_through_the_cli(tmp_path, tiny_target_dir, monkeypatch, capsys):
+    """Issue 16 end to end: a second fresh run into a run directory is refused, NaN in every
+    checkpoint makes --resume fail (not 0 steps at loss=nan with rc 0), NaN in the speculator
+    makes export fail before writing anything."""
+    from specfoundry.runtime.cli import main as cli
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    recipe = str(_recipe(tmp_path, tiny_target_dir))
+    sets = ["--set", "training.checkpoint_every=2"]
+    assert cli(["train", recipe, *sets]) == 0
+    run = tmp_path / "run"
+    assert (run / "run.json").is_file()
+    capsys.readouterr()
+    assert cli(["train", recipe, *sets]) == 2
+    assert "--resume" in capsys.readouterr().err
+    for ckpt in (run / "checkpoints").glob("step-*"):
+        _poison(ckpt / "model.safetensors")
+    with pytest.warns(RuntimeWarning):
+        assert cli(["train", recipe, "--resume", *sets]) == 2
+    assert "can be restored completely" in capsys.readouterr().err
+    _poison(run / "speculator" / "model.safetensors")
+    assert cli(["export", str(run), "--target", str(tiny_target_dir), "--formats", "vllm,sglang"]) == 2
+    assert "non-finite" in capsys.readouterr().err
+    assert not (run / "export" / "vllm").exists()
