@@ -83,8 +83,13 @@ def _pretrained_draft(name: str, target):
 
     from specfoundry.runtime import TargetModel, load_target
 
+    from ..run import plain_hf_init
+
     try:
-        lm = load_target(name, dtype=torch.float32)
+        # a whole HF model (the HF path, no engine): under ZeRO-3 transformers would otherwise build
+        # it already partitioned, empty in every process, and DeepSpeed partitions it at prepare
+        with plain_hf_init():
+            lm = load_target(name, dtype=torch.float32, backend="hf")
     except FileNotFoundError:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
