@@ -44,7 +44,15 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     logits = logits.to(work_dtype)
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(work_dtype)
-    logits = logits / params.temperature
+    scaled = logits / params.temperature
+    overflow = ~torch.isfinite(scaled.amax(-1, keepdim=True))
+    if bool(overflow.any()):
+        # rows where the temperature is so small that the scaled logits overflow (softmax would
+        # give NaN) take the T -> 0 limit: uniform over their maximal logits
+        top = logits == logits.amax(-1, keepdim=True)
+        limit = torch.zeros_like(scaled).masked_fill(~top, float("-inf"))
+        scaled = torch.where(overflow, limit, scaled)
+    logits = scaled
     if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

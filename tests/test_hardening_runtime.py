@@ -254,3 +254,14 @@ def test_two_generators_sharing_a_target_share_its_lock(target):
     for t in threads:
         t.join()
     assert not errors and out == [[solo[0]] * 3, [solo[1]] * 3]
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324])
+def test_a_tiny_positive_temperature_samples_the_argmax_instead_of_nan(gen, temperature):
+    from specfoundry.runtime.sampling import probs_from_logits
+
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)) * 5
+    p = probs_from_logits(logits, SamplingParams(temperature))
+    assert torch.isfinite(p).all() and torch.equal(p.argmax(-1), logits.argmax(-1))
+    greedy = gen.generate(prompt_ids=PROMPT, max_new_tokens=6).token_ids
+    assert gen.generate(prompt_ids=PROMPT, max_new_tokens=6, temperature=temperature).token_ids == greedy
