@@ -1,0 +1,112 @@
+"""The GPU recipes' code path on CPU: ``specfoundry train <recipe> --smoke`` swaps only what this
+machine cannot hold (a tiny random target of the same family, CPU/gloo/fp32, a few steps, local
+prompts) and keeps everything else. Plan-level checks for every GPU recipe run in the default
+tier, and so does eagle-llama3-70b end to end (2 processes, DeepSpeed ZeRO-3, online hidden
+states, 7 TTT steps, 32000-token draft vocabulary, checkpoints, W&B offline, export); the other
+GPU recipes end to end are ``slow`` (~40-55 s each here)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specfoundry.train.launcher import zero_stage
+from specfoundry.train.plan import make_plan
+from specfoundry.train.preflight import failures, preflight
+from specfoundry.train.presets import find_architecture
+from specfoundry.train.recipe import load_recipe, resolve
+from specfoundry.train.smoke import smoke_overrides
+
+GPU_RECIPES = ["eagle-llama3-70b", "eagle3-llama3-8b", "medusa2-llama3-8b", "draft-llama3-70b"]
+
+
+def _kept(r):
+    tr = r.training
+    return {"method": r.method, "speculator": r.speculator.model_dump() if r.speculator else None,
+            "zero_stage": zero_stage(r), "deepspeed": r.launcher.deepspeed, "placement": r.target.placement,
+            "hidden_states": r.data.hidden_states, "ttt_steps": tr.ttt_steps, "grad_accum": tr.grad_accum,
+            "gradient_checkpointing": tr.gradient_checkpointing, "position_weight_decay": tr.position_weight_decay,
+            "loss_on_prompt": r.data.loss_on_prompt, "temperatures": r.evaluation.temperatures,
+            "depth": r.evaluation.depth}
+
+
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_smoke_overrides_swap_only_what_the_machine_cannot_hold(name):
+    full = resolve(load_recipe(name))
+    smoke = resolve(load_recipe(name, overrides=smoke_overrides(name)))
+    a, b = _kept(full), _kept(smoke)
+    if full.method == "draft":  # the pretrained draft is swapped for a tiny one of its family
+        a["speculator"].pop("init_from"), b["speculator"].pop("init_from")
+    assert a == b
+    # the stand-in target is of the target's family (model type, tied or untied LM head, GQA)
+    big, tiny = find_architecture(full.target.name), find_architecture(smoke.target.name)
+    assert tiny.model_type == big.model_type and tiny.tie_word_embeddings == big.tie_word_embeddings
+    assert tiny.num_key_value_heads < tiny.num_attention_heads
+    assert smoke.target.device == "cpu" and smoke.launcher.config == "zero-cpu-2proc"
+    assert smoke.launcher.num_processes == 2 and smoke.tracking.wandb_mode == "offline"
+    assert smoke.training.max_steps == 2 and smoke.training.checkpoint_every == 1
+    assert [p.source for p in smoke.data.prompts] == ["file"]
+    if full.method == "eagle3":  # the draft vocabulary logic runs at the recipe's size
+        assert smoke.speculator.draft_vocab_size == 32000 < tiny.vocab_size
+    # everything a run checks first passes on this machine, and the plan is made from the stand-in
+    assert not failures(preflight(smoke)), [c.line() for c in failures(preflight(smoke))]
+    assert make_plan(smoke).memory.total < 2e9
+
+
+def _smoke(name, tmp_path, *extra, timeout=600):
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "specfoundry.runtime.cli", "train", name, "--smoke",
+                           "--set", f"output_dir={run}", "--set", f"data.cache_dir={tmp_path / 'cache'}", *extra],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "[smoke] " in proc.stderr
+    return run, proc
+
+
+def _check_run(run: Path, name: str):
+    resolved = (run / "recipe.resolved.yaml").read_text()
+    assert f"name: {name}" in resolved
+    assert len(list((run / "checkpoints").glob("step-*"))) == 2  # checkpoint_every 1, 2 steps
+    summary = json.loads((run / "train_summary.json").read_text())
+    assert summary["steps"] == 2 and summary["tokens_trained"] > 0 and summary["wandb_mode"] == "offline"
+    assert summary["measured"]["builtin-heldout"]["T=0"]["identical_rate"] == 1.0  # lossless
+    assert list((run / "wandb").glob("offline-run-*"))
+    report = json.loads((run / "export" / "export_report.json").read_text())
+    assert report["written"], report
+    return summary, report
+
+
+def test_eagle_llama3_70b_smoke_trains_evaluates_and_exports_on_cpu(tmp_path):
+    from specfoundry.runtime.speculators import read_config
+
+    run, proc = _smoke("eagle-llama3-70b", tmp_path)
+    assert "zero-cpu-2proc.yaml --deepspeed_config_file" in proc.stderr and "zero3.json" in proc.stderr
+    assert "--num_processes 2" in proc.stderr
+    summary, report = _check_run(run, "eagle-llama3-70b")
+    cfg = read_config(run / "speculator")
+    assert cfg["speculator_type"] == "eagle3" and cfg["architecture"]["draft_vocab_size"] == 32000
+    resolved = (run / "recipe.resolved.yaml").read_text()
+    assert "ttt_steps: 7" in resolved and "placement: zero3" in resolved and "hidden_states: online" in resolved
+    # both ranks' ZeRO-3 shards are in the checkpoint
+    ckpt = sorted((run / "checkpoints").glob("step-*"))[-1]
+    assert list(ckpt.rglob("*rank_1*")), sorted(p.name for p in ckpt.rglob("*"))
+    assert "vllm" in report["written"] and "sglang" in report["written"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["eagle3-llama3-8b", "medusa2-llama3-8b", "draft-llama3-70b"])
+def test_other_gpu_recipes_smoke_end_to_end(tmp_path, name):
+    run, _ = _smoke(name, tmp_path)
+    _summary, report = _check_run(run, name)
+    if name == "medusa2-llama3-8b":  # merge: true -> the fine-tuned backbone beside the heads
+        assert (run / "target" / "config.json").exists() and "trtllm" in report["written"]
+    if name == "draft-llama3-70b":  # init_from a (tiny) pretrained draft under ZeRO-3: full weights saved
+        from specfoundry.runtime import load_target
+
+        draft = load_target(str(run / "speculator"), backend="hf")
+        assert all(float(p.abs().sum()) > 0 for p in draft.model.parameters())
+        assert "hf_draft" in report["written"]
