@@ -80,10 +80,18 @@ def _check_run(run: Path, name: str):
     return summary, report
 
 
-def test_eagle_llama3_70b_smoke_trains_evaluates_and_exports_on_cpu(tmp_path):
+@pytest.fixture(scope="module")
+def smoke_70b(tmp_path_factory):
+    """eagle-llama3-70b --smoke on one machine (2 processes): shared by the end-to-end test and
+    the 2-machine comparison (which reuses its data cache)."""
+    tmp = tmp_path_factory.mktemp("smoke-70b")
+    return (tmp, *_smoke("eagle-llama3-70b", tmp))
+
+
+def test_eagle_llama3_70b_smoke_trains_evaluates_and_exports_on_cpu(smoke_70b):
     from specfoundry.runtime.speculators import read_config
 
-    run, proc = _smoke("eagle-llama3-70b", tmp_path)
+    _tmp, run, proc = smoke_70b
     assert "zero-cpu-2proc.yaml --deepspeed_config_file" in proc.stderr and "zero3.json" in proc.stderr
     assert "--num_processes 2" in proc.stderr
     summary, report = _check_run(run, "eagle-llama3-70b")
@@ -110,3 +118,53 @@ def test_other_gpu_recipes_smoke_end_to_end(tmp_path, name):
         draft = load_target(str(run / "speculator"), backend="hf")
         assert all(float(p.abs().sum()) > 0 for p in draft.model.parameters())
         assert "hf_draft" in report["written"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tensors(spec_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(spec_dir / "model.safetensors"))
+
+
+def test_two_machine_launch_equals_the_single_machine_run(smoke_70b, tmp_path):
+    """Multi-node: two launches on 127.0.0.1 (machine_rank 0 and 1, one process each, gloo, the
+    same `specfoundry train --smoke` command with launcher.num_machines=2) train the same
+    speculator, bit for bit, as the single-machine 2-process run."""
+    single_tmp, single_run, _ = smoke_70b
+    port = _free_port()
+    run = tmp_path / "run"
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    procs = []
+    for rank in (0, 1):
+        cmd = [sys.executable, "-m", "specfoundry.runtime.cli", "train", "eagle-llama3-70b", "--smoke",
+               "--set", f"output_dir={run}", "--set", f"data.cache_dir={single_tmp / 'cache'}",
+               "--set", "launcher.num_machines=2", "--set", f"launcher.machine_rank={rank}",
+               "--set", "launcher.main_process_ip=127.0.0.1", "--set", f"launcher.main_process_port={port}"]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=600))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for rank, (p, (_out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"machine {rank}:\n{err[-4000:]}"
+    err0 = outs[0][1]
+    assert "--num_machines 2" in err0 and "--machine_rank 0" in err0 and f"--main_process_port {port}" in err0
+    assert "--machine_rank 1" in outs[1][1]
+    assert "[train] 10 sequences, 2 steps of 2 x 2 process(es)" in err0 + outs[0][0]
+    a, b = _tensors(single_run / "speculator"), _tensors(run / "speculator")
+    assert a.keys() == b.keys()
+    assert all((a[k] == b[k]).all() for k in a), [k for k in a if not (a[k] == b[k]).all()]
+    # the main machine exported; the other did not
+    assert (run / "export" / "export_report.json").exists() and "[smoke] {" not in outs[1][1]

@@ -229,6 +229,8 @@ def run_smoke(args, recipe) -> int:
         code = subprocess.call(cmd, env=smoke_env())
     if code != 0:
         return code
+    if (recipe.launcher.machine_rank or 0) != 0:  # the main machine exports; the others are done
+        return 0
     report = export_result(recipe)
     summary_file = Path(recipe.output_dir) / "train_summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
