@@ -42,6 +42,9 @@ class GenerationStats:
     tau: float = 0.0  # new tokens per target forward (decode steps only)
     # conditional: P(draft at depth d accepted | depth d-1 accepted), d = 1..max depth
     acceptance_by_position: list[float] = field(default_factory=list)
+    # the counts behind it (depth 1 first), so harnesses pool requests (runtime/tau.py)
+    tried: list[int] = field(default_factory=list)
+    passed: list[int] = field(default_factory=list)
     target_forwards: int = 0
     drafted: int = 0  # draft nodes proposed (root excluded)
     accepted: int = 0  # draft tokens accepted
@@ -134,6 +137,30 @@ def _lock_for(target) -> _TargetLock:
             return _TargetLock()
 
 
+def _check_drafter_fits(drafter, target) -> None:
+    """A drafter built for another target fails mid-generation with a shape error (or drafts
+    nonsense): refuse it here, in one sentence."""
+    layers = [int(i) for i in getattr(drafter, "feature_layers", ()) or ()]
+    n = getattr(target, "num_layers", None)
+    bad = [i for i in layers if not 0 <= i <= n] if isinstance(n, int) else []
+    if bad:
+        raise ValueError(f"the drafter reads target feature layers {bad}, outside [0, {n}] of this target")
+    module = getattr(drafter, "head", None) or getattr(drafter, "heads", None)
+    built_for = getattr(module, "target_identity", None)
+    identity = getattr(target, "identity", None)
+    if isinstance(built_for, dict) and callable(identity):  # targets that know their identity (not ONNX ones)
+        given = identity()
+        differ = [k for k in ("vocab_size", "hidden_size", "num_layers", "fingerprint")
+                  if k in built_for and built_for[k] != given.get(k)]
+        if differ:
+            raise ValueError(f"the drafter was built for target {built_for.get('name')!r}, not {given.get('name')!r} "
+                             f"(they differ in {', '.join(differ)}); load it with load_drafter(..., target=this target)")
+    lm = getattr(drafter, "lm", None)
+    V = getattr(target, "vocab_size", None)
+    if lm is not None and V is not None and getattr(lm, "vocab_size", V) != V:
+        raise ValueError(f"the draft model's vocabulary ({lm.vocab_size}) differs from the target's ({target.vocab_size})")
+
+
 CONTEXT_OVERFLOW = ("error", "truncate_prompt")
 # the KV cache is preallocated for prompt + max_new_tokens: without a context length to check
 # against, this bounds what one request can allocate
@@ -163,6 +190,8 @@ class SpeculativeGenerator:
         if drafter is not None and not all(callable(getattr(drafter, m, None)) for m in ("begin", "propose", "commit")):
             raise ValueError(f"drafter must be a Drafter (begin/propose/commit), e.g. load_drafter('ngram', target=...); "
                              f"got {type(drafter).__name__} {drafter!r:.60}")
+        if drafter is not None:
+            _check_drafter_fits(drafter, target)
         if max_depth is not None:
             check_int("max_depth", max_depth, 1, MAX_DRAFT_DEPTH)  # 0 or less: pass speculate=False instead
         if max_nodes is not None:
@@ -402,6 +431,7 @@ class SpeculativeGenerator:
             stats.seconds = time.perf_counter() - t_start
             stats.tau = stats.new_tokens / stats.target_forwards
             stats.acceptance_by_position = tally.observed()
+            stats.tried, stats.passed = tally.tried[1:], tally.passed[1:]
             delta = detok.push(step_tokens) if detok is not None else ""
             last = done or len(emitted) >= max_new_tokens
             if last and detok is not None:

@@ -265,3 +265,11 @@ def test_a_tiny_positive_temperature_samples_the_argmax_instead_of_nan(gen, temp
     assert torch.isfinite(p).all() and torch.equal(p.argmax(-1), logits.argmax(-1))
     greedy = gen.generate(prompt_ids=PROMPT, max_new_tokens=6).token_ids
     assert gen.generate(prompt_ids=PROMPT, max_new_tokens=6, temperature=temperature).token_ids == greedy
+
+
+def test_a_drafter_built_for_another_target_is_refused(target):
+    other = tiny_llama(4, dtype=torch.float32)  # same shapes, other weights
+    with pytest.raises(ValueError, match="built for target 'tiny-4'.*fingerprint"):
+        SpeculativeGenerator(target, load_drafter("eagle3", target=other))
+    with pytest.raises(ValueError, match="beyond the heads' vocabulary"):
+        load_drafter("medusa", target=target, choices=[[0], [64]])

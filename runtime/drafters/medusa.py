@@ -44,6 +44,9 @@ class MedusaDrafter(Drafter):
             raise ValueError(f"medusa choices give {len(choices) + 1} tree nodes, more than the limit {MAX_DRAFT_NODES}")
         if any(not c or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in c) for c in choices):
             raise ValueError("medusa choices must be non-empty lists of non-negative integer ranks")
+        V = heads.architecture["vocab_size"]
+        if any(r >= V for c in choices for r in c):
+            raise ValueError(f"medusa choices hold a rank beyond the heads' vocabulary of {V} tokens")
         too_deep = [c for c in choices if len(c) > K]
         if too_deep:
             raise ValueError(f"medusa choices deeper than the {K} heads: {too_deep[:3]}")
