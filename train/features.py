@@ -176,7 +176,38 @@ class HiddenStateSource:
         return self.cache_dir / "manifest.json"
 
     def _read_manifest(self) -> dict | None:
-        return json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else None
+        """The manifest, None when there is none; a corrupt one (not JSON, not an object, no
+        header/shards) is a ValueError naming the file."""
+        if not self.manifest_path.exists():
+            return None
+        try:
+            manifest = json.loads(self.manifest_path.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{self.manifest_path}: corrupt hidden-state manifest ({exc})") from None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("header"), dict) \
+                or not isinstance(manifest.get("shards"), dict):
+            raise ValueError(f"{self.manifest_path}: corrupt hidden-state manifest (no header/shards)")
+        return manifest
+
+    def _shard_ok(self, entry, rows: list[int], dataset) -> bool:
+        """Whether a listed shard is complete and consistent: its file opens, its tensors hold the
+        rows the manifest says (lengths, offsets, example ids of this plan). A shard that is not
+        is computed again (it is a cache)."""
+        from safetensors import safe_open
+
+        try:
+            ids = [_example_id(dataset[i], i) for i in rows]
+            lengths = [len(dataset[i]["input_ids"]) for i in rows]
+            if [int(x) for x in entry["example_ids"]] != ids or [int(x) for x in entry["lengths"]] != lengths:
+                return False
+            if [int(o) for o in entry["offsets"]] != np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist():
+                return False
+            with safe_open(str(self.cache_dir / entry["file"]), framework="pt") as f:
+                shapes = {k: f.get_slice(k).get_shape() for k in ("features", "last_hidden")}
+            return all(s and s[0] == sum(lengths) for s in shapes.values()) and \
+                shapes["features"][1:] == [len(self.feature_layers), self.target.hidden_size]
+        except Exception:  # noqa: BLE001 - missing, truncated or tampered: not usable
+            return False
 
     def _check_header(self, manifest: dict, header: dict) -> None:
         diff = [k for k in header if manifest.get("header", {}).get(k) != header[k]]
@@ -210,15 +241,20 @@ class HiddenStateSource:
 
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         header = self.header(dataset)
-        manifest = self._read_manifest()
+        try:
+            manifest = self._read_manifest()
+        except ValueError as exc:  # a cache: start it again rather than fail the run
+            import warnings
+
+            warnings.warn(f"{exc}; computing the hidden states again", RuntimeWarning, stacklevel=2)
+            manifest = None
         if manifest is not None:
             self._check_header(manifest, header)
         else:
             manifest = {"header": header, "shards": {}, "complete": False}
             _atomic_write_json(self.manifest_path, manifest)
         plan = self._shard_plan(dataset)
-        todo = [s for s in range(len(plan)) if str(s) not in manifest["shards"]
-                or not (self.cache_dir / manifest["shards"][str(s)]["file"]).exists()]
+        todo = [s for s in range(len(plan)) if not self._shard_ok(manifest["shards"].get(str(s)), plan[s], dataset)]
         total = sum(len(dataset[i]["input_ids"]) for s in todo for i in plan[s])
         bar = tqdm(total=total, desc="hidden states", unit="tok", disable=not progress or not todo)
         for s in todo:
