@@ -19,6 +19,7 @@ import statistics
 from pathlib import Path
 
 from specfoundry.runtime.adaptive import expected_tokens, leviathan_tokens
+from specfoundry.runtime.tau import summarize_tau
 
 SCHEMA_ID = "specfoundry.bench/1"
 FAIL_MARK = '<span style="color:red">❌ FAIL</span>'
@@ -101,15 +102,6 @@ def _sum(recs, key):
     return sum(xs) if xs else None
 
 
-def _pooled(recs, key) -> list[int]:
-    out: list[int] = []
-    for r in recs:
-        for i, v in enumerate(r.get(key) or []):
-            out.extend([0] * (i + 1 - len(out)))
-            out[i] += v
-    return out
-
-
 def predictions(acceptance: list[float], tried: list[int], passed: list[int], k: int | None, cost_ratio: float | None) -> dict:
     """Predicted tokens per target forward at draft length ``k`` from the measured acceptance, the
     Leviathan constant-alpha form, and the ``k*`` maximising ``E(k) / (1 + k c)``."""
@@ -125,8 +117,8 @@ def predictions(acceptance: list[float], tried: list[int], passed: list[int], k:
 
 
 def summarize_rows(recs: list[dict], depth: int | None) -> dict:
-    tried, passed = _pooled(recs, "tried"), _pooled(recs, "passed")
-    acc = [p / t if t else 0.0 for p, t in zip(passed, tried)]
+    pooled = summarize_tau(recs)  # the one definition of tau and acceptance (runtime/tau.py)
+    tried, passed, acc = pooled["tried"], pooled["passed"], pooled["acceptance_by_position"]
     new, fwd = _sum(recs, "new_tokens"), _sum(recs, "target_forwards")
     steps, dsec, vsec = _sum(recs, "speculative_steps"), _sum(recs, "draft_seconds"), _sum(recs, "verify_seconds")
     cost = None
@@ -137,7 +129,7 @@ def summarize_rows(recs: list[dict], depth: int | None) -> dict:
            "median_tokens_per_second": _median([r["tokens_per_second"] for r in recs]),
            "median_speed_up": _median([r["speed_up"] for r in recs]),
            "median_wall_ratio": _median([r["wall_ratio"] for r in recs]),
-           "tau": new / fwd if new is not None and fwd else None,
+           "tau": pooled["tau"], "tau_min": pooled["tau_min"], "tau_max": pooled["tau_max"],
            "acceptance_by_position": acc, "tried": tried, "passed": passed,
            "drafted": _sum(recs, "drafted"), "accepted": _sum(recs, "accepted"), "target_forwards": fwd,
            "new_tokens": new, "identical": status.count("identical"), "near_ties": status.count("near_tie"),

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from specfoundry.runtime import SpeculativeGenerator
 from specfoundry.runtime.lossless import compare_greedy
+from specfoundry.runtime.tau import summarize_tau
 
 BUILTIN_HELDOUT = "builtin-heldout"
 
@@ -25,7 +26,7 @@ def evaluate_speculator(target, drafter, prompt_sets: dict[str, list[str]], *, t
     for name, prompts in prompt_sets.items():
         out[name] = {}
         for t in temperatures:
-            taus, ratios, ident, acc = [], [], [], []
+            runs, ratios, ident = [], [], []
             for i, prompt in enumerate(tqdm(prompts, desc=f"eval {name} T={t}", leave=False)):
                 if deadline and time.perf_counter() > deadline:
                     break
@@ -34,17 +35,18 @@ def evaluate_speculator(target, drafter, prompt_sets: dict[str, list[str]], *, t
                 kw = dict(prompt=prompt, max_new_tokens=max_new_tokens, temperature=t, seed=seed + i,
                           context_overflow="truncate_prompt")
                 spec = gen.generate(**kw)
-                taus.append(spec.stats.tau)
-                acc.append(spec.stats.acceptance_by_position)
+                runs.append(spec.stats)
                 if baseline:
                     plain = gen.generate(speculate=False, **kw)
                     ratios.append(plain.stats.seconds / spec.stats.seconds)
                     if t == 0:
                         ident.append(compare_greedy(target, spec.prompt_ids, spec.token_ids, plain.token_ids))
-            if not taus:
+            if not runs:
                 continue
-            entry = {"n": len(taus), "tau": statistics.mean(taus),
-                     "acceptance_by_position": [statistics.mean(col) for col in zip(*acc)] if acc else []}
+            summary = summarize_tau(runs)  # the one definition of tau (pooled) the bench uses too
+            entry = {"n": summary["n"], "planned": len(prompts), "tau": summary["tau"],
+                     "tau_min": summary["tau_min"], "tau_median": summary["tau_median"], "tau_max": summary["tau_max"],
+                     "acceptance_by_position": summary["acceptance_by_position"]}
             if ratios:
                 entry["speedup"] = statistics.median(ratios)
             if ident:  # exact equality; rounding near-ties (bf16) and real failures counted apart

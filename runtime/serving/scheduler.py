@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..adaptive import AcceptanceTally
 from ..drafters.base import DraftContext, Drafter
 from ..engine import EngineTarget
 from ..generator import IncrementalDetokenizer
@@ -83,8 +84,8 @@ class RequestStats:
     target_forwards: int = 0  # steps this request took part in
     drafted: int = 0
     accepted: int = 0
-    accepted_by_position: list[int] = field(default_factory=list)  # accepted at depth d+1
-    drafted_by_position: list[int] = field(default_factory=list)
+    # conditional per-depth counts, the same definition as everywhere (runtime/tau.py)
+    tally: AcceptanceTally = field(default_factory=lambda: AcceptanceTally(0))
     queued_seconds: float = 0.0
     ttft_seconds: float = 0.0
     seconds: float = 0.0
@@ -92,8 +93,8 @@ class RequestStats:
 
     def as_dict(self) -> dict:
         tau = self.new_tokens / self.target_forwards if self.target_forwards else 0.0
-        by_pos = [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
-        return {"tau": tau, "acceptance_by_position": by_pos, "target_forwards": self.target_forwards,
+        return {"tau": tau, "acceptance_by_position": self.tally.observed(), "tried": self.tally.tried[1:],
+                "passed": self.tally.passed[1:], "target_forwards": self.target_forwards,
                 "drafted": self.drafted, "accepted": self.accepted, "speculative_steps": self.speculative_steps,
                 "new_tokens": self.new_tokens, "queued_seconds": self.queued_seconds,
                 "ttft_seconds": self.ttft_seconds, "seconds": self.seconds}
@@ -461,12 +462,7 @@ class ServingEngine:
         if n_drafted:
             st.speculative_steps += 1
             self.metrics.drafts(n_drafted, n_acc, depth_drafted)
-            while len(st.drafted_by_position) < depth_drafted:
-                st.drafted_by_position.append(0)
-                st.accepted_by_position.append(0)
-            for j in range(depth_drafted):
-                st.drafted_by_position[j] += 1
-                st.accepted_by_position[j] += int(j < n_acc)
+            st.tally.record(depth_drafted, n_acc)
         s.ids = torch.cat([s.ids, new], dim=1)
         r = s.handle.request
         step_tokens = new[0].tolist()[: r.max_new_tokens - s.emitted]
