@@ -291,3 +291,13 @@ def test_resume_with_a_changed_recipe_is_refused(tmp_path):
         f"output_dir={out}", "training.log_every=3", "evaluation.limit=2"])), out)
     with pytest.raises(ValueError, match=r"recipe differs .*training.learning_rate"):
         main(["eagle3-smollm2-135m", "--resume", "--set", f"output_dir={out}", "--set", "training.learning_rate=0.1"])
+
+
+def test_no_gradient_clip_still_checks_gradients(tmp_path, setup):
+    AcceleratorState._reset_state(True)
+    acc = Accelerator(cpu=True)
+    target, data = setup
+    head = Eagle3Head.from_target(target, draft_vocab_size=48, feature_layers=[0, 1, 2])
+    method = _GradPoisoned(Eagle3Method(head, target.lm_head, ttt_steps=1), 2)
+    with pytest.raises(NonFiniteError, match="gradient norm"):
+        train_loop(acc, method, lambda e, s: iter(data[s:]), LoopConfig(max_steps=4, grad_clip=None), tmp_path / "r")

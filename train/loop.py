@@ -381,6 +381,9 @@ def train_loop(
         accelerator.print(f"[train] resumed from {ckpt} (step {state['global_step']})")
     horizon["steps"] = state.setdefault("max_steps", cfg.max_steps)
 
+    # fp16 loss scaling expects overflowing gradients now and then (the scaler skips those steps and
+    # lowers the scale): there only the loss is checked
+    check_grads = getattr(accelerator, "scaler", None) is None and accelerator.mixed_precision != "fp16"
     method.train()
     t_start = time.perf_counter() - state["seconds"]
     t_run = time.perf_counter()
@@ -405,11 +408,13 @@ def train_loop(
                     if accelerator.sync_gradients:
                         if cfg.grad_clip:
                             norm = accelerator.clip_grad_norm_(params, cfg.grad_clip)
-                        else:
+                        elif check_grads:
                             grads = [p.grad for p in params if p.grad is not None]
                             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float())
                                                                          for g in grads])) if grads else None
-                        if norm is not None and not bool(torch.isfinite(torch.as_tensor(norm)).all()):
+                        else:
+                            norm = None
+                        if check_grads and norm is not None and not bool(torch.isfinite(torch.as_tensor(norm)).all()):
                             bad = f"gradient norm {float(norm)}"
                 if bad is not None:
                     state["nonfinite_skipped"] += 1
