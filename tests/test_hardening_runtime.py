@@ -273,3 +273,9 @@ def test_a_drafter_built_for_another_target_is_refused(target):
         SpeculativeGenerator(target, load_drafter("eagle3", target=other))
     with pytest.raises(ValueError, match="beyond the heads' vocabulary"):
         load_drafter("medusa", target=target, choices=[[0], [64]])
+
+
+@pytest.mark.parametrize("source", ["ngram", "eagle3", "medusa"])
+def test_an_unknown_drafter_option_is_one_sentence(target, source):
+    with pytest.raises(ValueError, match=f"unknown option 'depht' for the {source} drafter"):
+        load_drafter(source, target=target, depht=3)

@@ -30,6 +30,18 @@ def available_drafters() -> list[str]:
     return sorted(DRAFTER_REGISTRY)
 
 
+def _build(factory, kind: str, source, target, options: dict) -> Drafter:
+    """``factory(source, target, **options)``, an unknown option being a ValueError that names it."""
+    try:
+        return factory(source, target, **options)
+    except TypeError as exc:
+        msg = str(exc)
+        if "unexpected keyword argument" not in msg:
+            raise
+        bad = msg.rsplit("argument", 1)[-1].strip()
+        raise ValueError(f"unknown option {bad} for the {kind} drafter") from None
+
+
 def load_drafter(source, target, **options) -> Drafter:
     """Build a drafter for ``target``.
 
@@ -38,19 +50,19 @@ def load_drafter(source, target, **options) -> Drafter:
     or a local HF model directory / built-in target name used as a ``draft`` model.
     """
     if isinstance(source, str) and source in DRAFTER_REGISTRY:
-        return DRAFTER_REGISTRY[source](None, target, **options)
+        return _build(DRAFTER_REGISTRY[source], source, None, target, options)
     path = Path(str(source)).expanduser()
     cfg_file = path / "config.json"
     if path.is_dir() and cfg_file.exists():
         if "speculator_type" in _json_keys(cfg_file):
             # a speculator checkpoint: the one validating reader gives the error messages
             kind = read_config(path)["speculator_type"]
-            return DRAFTER_REGISTRY[kind](path, target, **options)
-        return DRAFTER_REGISTRY["draft"](path, target, **options)
+            return _build(DRAFTER_REGISTRY[kind], kind, path, target, options)
+        return _build(DRAFTER_REGISTRY["draft"], "draft", path, target, options)
     from ..models import builtin_targets
 
     if str(source) in builtin_targets():
-        return DRAFTER_REGISTRY["draft"](str(source), target, **options)
+        return _build(DRAFTER_REGISTRY["draft"], "draft", str(source), target, options)
     raise ValueError(
         f"unknown drafter {source!r}: expected one of {available_drafters()}, a speculator checkpoint "
         "directory, or a local HF draft-model directory"
