@@ -190,3 +190,15 @@ def test_bad_architecture_values_in_config_are_one_checkpoint_error(saved, targe
     (saved / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=where):
         load_speculator(saved, target)
+
+
+def test_onnx_export_refuses_non_finite_weights(tmp_path):
+    from specfoundry.export.onnx import export_all
+
+    target = tiny_llama(0, dtype=torch.float32)
+    head = Eagle3Head.from_target(target, draft_vocab_size=16, feature_layers=[1, 2, 3])
+    with torch.no_grad():
+        head.lm_head.weight.view(-1)[3] = float("nan")
+    with pytest.raises(ValueError, match="lm_head.weight.*non-finite"):
+        export_all(target, head, tmp_path / "onnx")
+    assert not (tmp_path / "onnx").exists()

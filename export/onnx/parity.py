@@ -315,6 +315,9 @@ def export_all(target: TargetModel, head, out_dir, *, variants=VARIANTS, parity:
     """Export the target and the speculator ``head`` in every variant to ``out_dir`` (names as
     :func:`graph_paths`) and return the report entry: per-variant graph facts, parity figures
     (:func:`parity_report`) and end-to-end greedy results (:func:`greedy_end_to_end`)."""
+    from ..source import check_module_finite
+
+    check_module_finite(head, "the speculator")  # NaN/inf weights make every graph unusable
     out = Path(out_dir)
     report = {"out_dir": str(out), "opset": 23, "graphs": {}, "seconds": {}}
     t0 = time.perf_counter()
