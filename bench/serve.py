@@ -48,6 +48,7 @@ def register(subparsers) -> None:
     p.add_argument("--data", default=None, help="prompt JSONL (default: Spec-Bench when ../shared has it)")
     p.add_argument("--modes", default="off,on,load-aware")
     p.add_argument("--soak", type=float, default=0.0, help="seconds of mixed load after the sweep (0 = none)")
+    p.add_argument("--max-batch", type=int, default=0, help="server batch size (default: the largest concurrency)")
     p.add_argument("--out", default=None, help="output directory (default: runs/bench-serve/<timestamp>)")
     p.set_defaults(func=main)
 
@@ -236,7 +237,7 @@ def main(args) -> int:
     random.Random(0).shuffle(prompts)
     out = Path(args.out or f"runs/bench-serve/{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    max_c = max(levels_c)
+    max_c = args.max_batch or max(levels_c)
     common = ["--target", args.target, "--speculator", speculator, "--dtype", args.dtype, "--threads",
               str(args.threads), "--max-batch", str(max_c), "--max-queue", str(max_c)]
     print(f"bench-serve: {args.target} ({args.dtype}, {args.threads} threads) + {speculator}; levels {levels_c}; "

@@ -486,3 +486,29 @@ def test_serve_command_defaults_to_loopback():
     args = build_parser().parse_args(["serve"])
     assert args.host == "127.0.0.1" and args.port == 8000 and args.max_batch == 8 and args.max_queue == 64
     assert args.target == "smollm2-135m"
+
+
+def test_bench_serve_sweeps_modes_and_writes_its_report(model_dirs, tmp_path):
+    """`specfoundry bench-serve` end to end on the tiny model: two server processes, three modes per
+    concurrency level, every request answered, the table, JSON and plot written."""
+    import argparse
+    import json
+
+    from specfoundry.bench import serve as bench_serve
+
+    target_dir, draft_dir = model_dirs
+    parser = argparse.ArgumentParser()
+    bench_serve.register(parser.add_subparsers())
+    args = parser.parse_args(["bench-serve", "--target", str(target_dir), "--speculator", str(draft_dir),
+                              "--dtype", "float32", "--threads", "1", "--concurrency", "1,2", "--requests", "2",
+                              "--max-tokens", "8", "--level-seconds", "60", "--out", str(tmp_path / "out")])
+    assert bench_serve.main(args) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    for mode in ("off", "on", "load-aware"):
+        rows = report["levels"][mode]
+        assert [r["concurrency"] for r in rows] == [1, 2]
+        assert all(r["requests"] == 2 and r["errors"] == 0 and r["output_tok_s"] > 0 for r in rows)
+    assert all(r["tau"] == pytest.approx(1.0) for r in report["levels"]["off"])  # speculate: false really is off
+    assert any(r["tau"] > 1.0 for r in report["levels"]["on"])  # the always-on server drafted and accepted
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| 2 | load-aware |" in md
