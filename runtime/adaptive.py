@@ -123,7 +123,11 @@ class AdaptiveController:
         self.probe_every = probe_every
         self.warmup = warmup
         self.prior = (prior_acceptance * prior_strength, prior_strength)
-        self.cost_curve = dict(sorted((cost_curve or {}).items()))  # forward size -> relative cost
+        # forward size -> relative cost; only sane points (a NaN or non-positive cost would make every
+        # rate NaN and the choice arbitrary)
+        self.cost_curve = dict(sorted((int(n), float(c)) for n, c in (cost_curve or {}).items()
+                                      if isinstance(n, numbers.Integral) and n >= 1
+                                      and isinstance(c, numbers.Real) and math.isfinite(c) and c > 0))
         self.tally = AcceptanceTally(max_depth)
         self.verify_cost: dict[int, _Ema] = {}  # forward size -> seconds
         self.draft_cost: dict[Shape, _Ema] = {}  # shape -> seconds
@@ -266,6 +270,9 @@ class AdaptiveController:
 
     def record(self, shape: Shape, depth_drafted: int, accepted: int, forward_size: int, verify_s: float,
                draft_s: float) -> None:
+        # a clock can step backwards (or a caller pass garbage): never let a NaN/negative time in
+        verify_s = verify_s if math.isfinite(verify_s) and verify_s > 0 else 1e-9
+        draft_s = draft_s if math.isfinite(draft_s) and draft_s >= 0 else 0.0
         self.tally.record(depth_drafted, accepted)
         self.verify_cost.setdefault(forward_size, _Ema()).update(verify_s)
         if shape[0]:

@@ -98,11 +98,12 @@ def test_generator_offers_chains_and_tree_budgets_with_the_fixed_shape_last():
 
     from specfoundry.runtime import SpeculativeGenerator
 
-    tree = SimpleNamespace(default_depth=3, default_nodes=16)
+    protocol = {m: (lambda *a: None) for m in ("begin", "propose", "commit")}  # a drafter's methods, unused
+    tree = SimpleNamespace(default_depth=3, default_nodes=16, **protocol)
     shapes = SpeculativeGenerator(None, tree)._shapes(3)
     assert shapes[-1] == (3, 16) and len(set(shapes)) == len(shapes)
     assert {(1, 2), (2, 3), (3, 4), (1, 8), (2, 16)} <= set(shapes)
-    chain = SimpleNamespace(default_depth=4, default_nodes=5)
+    chain = SimpleNamespace(default_depth=4, default_nodes=5, **protocol)
     assert SpeculativeGenerator(None, chain)._shapes(4) == [(1, 2), (2, 3), (3, 4), (4, 5)]
 
 

@@ -279,3 +279,15 @@ def test_a_drafter_built_for_another_target_is_refused(target):
 def test_an_unknown_drafter_option_is_one_sentence(target, source):
     with pytest.raises(ValueError, match=f"unknown option 'depht' for the {source} drafter"):
         load_drafter(source, target=target, depht=3)
+
+
+def test_adaptive_controller_ignores_nan_costs():
+    ctl = AdaptiveController(4, cost_curve={1: 1.0, 4: float("nan"), 8: -2.0, 16: 3.0})
+    assert ctl.cost_curve == {1: 1.0, 16: 3.0}
+    shapes = [(1, 2), (2, 3), (3, 4), (4, 5)]
+    for _ in range(12):
+        s = ctl.choose(shapes)
+        ctl.record(s, s[0], s[0], s[1], float("nan"), float("-inf"))
+    assert all(e.value is not None and e.value > 0 for e in ctl.verify_cost.values())
+    rates = [ctl.expected_rate(s) for s in shapes]
+    assert all(r is not None and r == r for r in rates)  # no NaN rate
