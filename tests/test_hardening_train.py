@@ -301,3 +301,13 @@ def test_no_gradient_clip_still_checks_gradients(tmp_path, setup):
     method = _GradPoisoned(Eagle3Method(head, target.lm_head, ttt_steps=1), 2)
     with pytest.raises(NonFiniteError, match="gradient norm"):
         train_loop(acc, method, lambda e, s: iter(data[s:]), LoopConfig(max_steps=4, grad_clip=None), tmp_path / "r")
+
+
+def test_a_checkpoint_whose_state_disagrees_with_its_step_is_passed_over(tmp_path, setup):
+    run = tmp_path / "r"
+    _run(run, setup, stop_after=5)
+    f = run / "checkpoints" / "step-0000004" / "trainer_state.json"
+    f.write_text(json.dumps({**json.loads(f.read_text()), "global_step": 1}))
+    with pytest.warns(RuntimeWarning, match="says step 1"):
+        summary = _run(run, setup, resume=True)
+    assert summary["global_step"] == 6

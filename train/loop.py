@@ -247,6 +247,8 @@ def _restore_rng(ckpt: Path, process_index: int) -> None:
 def _restore(accelerator, method, optimizer, ckpt: Path, run_id: str) -> dict:
     """Load ``ckpt`` completely or raise (ValueError, OSError, RuntimeError, ...) saying why."""
     state = _read_trainer_state(ckpt)
+    if ckpt.name != f"step-{state['global_step']:07d}":
+        raise ValueError(f"trainer_state.json says step {state['global_step']}, the directory {ckpt.name}")
     if run_id and state.get("run_id") != run_id:
         raise RunDirError(f"it belongs to another run (run id {state.get('run_id')!r}, this run {run_id!r})")
     accelerator.load_state(str(ckpt))
