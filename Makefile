@@ -100,6 +100,16 @@ gpu-check: $(STAMP)
 	# the engine's CUDA-graph step (eager vs graphed ms per node-count bucket; "skipped" without CUDA)
 	$(BIN)/python -m specfoundry.runtime.cuda_graph --target smollm2-135m --dtype bfloat16 --past 256
 
+# One prepared run for an NVIDIA machine (<= 7 min): the default recipe trained briefly on CUDA (bf16),
+# speculative decoding on CUDA (HF path, engine, engine with CUDA graphs: tau and speed-up vs plain),
+# the Triton tree-attention kernel vs SDPA and the verify cost of 16/32/64 tree tokens on a random
+# Llama-3-8B, TensorRT where it imports. Without a GPU every section says "skipped" and it succeeds.
+# Summary: runs/gpu-run/gpu_run.json (also printed). GPU_RUN_ARGS e.g. "--budget-s 300 --sections env,decode_engine".
+GPU_RUN_ARGS ?=
+.PHONY: gpu-run
+gpu-run: $(STAMP)
+	$(BIN)/python -m specfoundry.train.gpu_run --out runs/gpu-run $(GPU_RUN_ARGS)
+
 # Serve smollm2-135m with an exported EAGLE-3 head in vLLM (CPU build, own venv .venv-vllm,
 # built on first use) and compare its acceptance length with our runtime's tau; checks vLLM's
 # greedy output with and without the head match. CHECK_VLLM_ARGS e.g. "--recipe eagle3-smollm2-135m --k 5".

@@ -1,0 +1,53 @@
+"""The prepared GPU run (``make gpu-run``, specfoundry.train.gpu_run): without a GPU every section
+but ``env`` says "skipped" with the reason and the command succeeds; the decode sections' code (HF
+path, engine, engine behind GraphedTarget, which runs its static step eagerly off CUDA) is checked
+on the CPU with a tiny target."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from specfoundry.runtime.models import builtin_model_dir
+
+
+def test_without_a_gpu_every_section_is_skipped_and_it_succeeds(tmp_path):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, "-m", "specfoundry.train.gpu_run", "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads((tmp_path / "gpu_run.json").read_text())
+    assert json.loads(res.stdout) == summary and summary["ok"]
+    secs = summary["sections"]
+    assert list(secs) == ["env", "train", "decode_hf", "decode_engine", "decode_graphs", "tree_attention", "tensorrt"]
+    assert secs["env"]["status"] == "ok" and secs["env"]["details"]["cuda_available"] is False
+    for name, rec in secs.items():
+        if name != "env":
+            assert rec["status"] == "skipped" and "no CUDA device" in rec["reason"], (name, rec)
+
+
+def test_decode_sections_run_on_cpu_with_a_tiny_target(tmp_path):
+    d = tmp_path / "tiny"
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(builtin_model_dir("smollm2-135m"))
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    from specfoundry.train.gpu_run import main
+
+    out = tmp_path / "out"
+    assert main(["--out", str(out), "--device", "cpu", "--sections", "decode_hf,decode_engine,decode_graphs",
+                 "--target", str(d), "--prompts", "1", "--max-new-tokens", "12"]) == 0
+    secs = json.loads((out / "gpu_run.json").read_text())["sections"]
+    for name, backend in (("decode_hf", "TargetModel"), ("decode_engine", "EngineTarget"),
+                          ("decode_graphs", "EngineTarget+cuda_graphs")):
+        rec = secs[name]
+        assert rec["status"] == "ok", rec
+        det = rec["details"]
+        assert det["backend"] == backend and det["identical"] == "1/1" and det["tau"] >= 1.0 and det["speedup"] > 0
+    assert secs["train"]["status"] == "skipped"

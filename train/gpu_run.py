@@ -1,0 +1,335 @@
+"""A prepared GPU run (``make gpu-run``): one script of at most ~7 minutes for an NVIDIA machine.
+
+    python -m specfoundry.train.gpu_run [--out runs/gpu-run] [--budget-s 420] [--sections a,b,...]
+
+Sections, in order; each reports ``ok`` / ``failed`` / ``skipped`` (with the reason) in
+``<out>/gpu_run.json``, which is also printed:
+
+1. ``env``             torch / CUDA / GPU / triton / tensorrt versions (runs everywhere).
+2. ``train``           the default recipe (``eagle3-smollm2-135m``) trained briefly on CUDA in bf16
+                       through ``specfoundry train`` (preflight included): single-gpu launcher,
+                       128 Magpie prompts, <= 45 s of data, <= 1 min of training, <= 30 s of evaluation, tau measured at
+                       the end; the run lands in ``<out>/train``.
+3. ``decode_hf``       speculative decoding on CUDA (bf16, greedy, 4 built-in prompts x 128 tokens)
+                       on the HF path: plain vs speculative, tau, speed-up, identical output. The
+                       drafter is section 2's EAGLE-3 head when it trained, else n-gram.
+4. ``decode_engine``   the same on the static-cache engine.
+5. ``decode_graphs``   the same on the engine with CUDA graphs (``runtime.cuda_graph.GraphedTarget``),
+                       plus eager vs graphed ms per bucket (``cuda_graph.measure``).
+6. ``tree_attention``  the Triton tree-attention kernel vs SDPA (explicit mask) on Llama-3-8B
+                       attention shapes (32/8 heads, head_dim 128, 1024 past tokens), and the verify
+                       cost of 16/32/64 tree tokens relative to 1 token on a random-weight
+                       Llama-3-8B (bf16, the engine's forward).
+7. ``tensorrt``        where ``tensorrt`` imports: ``export.trt.gpu_check``'s golden and TensorRT
+                       sections (the plugin engines vs ONNX Runtime golden outputs).
+
+Without a CUDA device every section but ``env`` is ``skipped`` with the reason and the exit code
+is 0; a failed section makes it 1. Sections that would start past the budget are skipped ("time
+budget"). ``--device cpu`` (tests) runs the decode sections on the CPU with ``--target``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+SECTIONS = ("env", "train", "decode_hf", "decode_engine", "decode_graphs", "tree_attention", "tensorrt")
+PROMPTS = ["Explain how a hash map works, with an example in Python.",
+           "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+           "What are the main causes of inflation? Answer in a few paragraphs.",
+           "Translate to French: 'The weather is nice today, let's go for a walk in the park.'"]
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+
+
+class Skip(Exception):
+    """A section that cannot run here (the reason is the message)."""
+
+
+def _version(mod: str) -> str | None:
+    """The installed version of ``mod`` (None when it is not installed), without importing it."""
+    from importlib import metadata
+
+    if importlib.util.find_spec(mod) is None:
+        return None
+    try:
+        return metadata.version(mod)
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
+def cuda_reason() -> str | None:
+    """None when CUDA is usable, else why not (one line)."""
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        return f"torch does not import ({e})"
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda} build"
+        return f"no CUDA device (torch {torch.__version__}, {build})"
+    return None
+
+
+class Run:
+    def __init__(self, args):
+        self.args = args
+        self.out = Path(args.out)
+        self.t0 = time.perf_counter()
+        self.state: dict = {}
+        import torch
+
+        self.device = args.device if args.device != "auto" else ("cuda" if cuda_reason() is None else "none")
+        self.dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
+
+    def left(self) -> float:
+        return self.args.budget_s - (time.perf_counter() - self.t0)
+
+    def need_device(self):
+        if self.device == "none":
+            raise Skip(cuda_reason() or "no CUDA device")
+
+    def need_cuda(self):
+        reason = cuda_reason()
+        if reason or self.device != "cuda":
+            raise Skip(reason or f"needs CUDA (running on {self.device})")
+
+    # ---------------------------------------------------------------------------------------
+    def env(self):
+        import platform
+
+        import torch
+
+        info = {"python": platform.python_version(), "torch": torch.__version__, "cuda_build": torch.version.cuda,
+                "cuda_available": torch.cuda.is_available(), "triton": _version("triton"),
+                "tensorrt": _version("tensorrt"), "transformers": _version("transformers"),
+                "deepspeed": _version("deepspeed"), "device": self.device}
+        if torch.cuda.is_available():
+            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+            info["driver_free_gb"] = round(torch.cuda.mem_get_info(0)[0] / 1e9, 1)
+        return info
+
+    def train(self):
+        self.need_cuda()
+        run = self.out / "train"
+        sets = {"target.device": "cuda", "launcher.config": "single-gpu", "target.dtype": "bf16",
+                "training.precision": "bf16", "data.prompts.0.count": 128, "data.responses.max_new_tokens": 128,
+                "data.responses.batch_size": 64, "data.max_minutes": 0.75, "data.eval_prompts": 8,
+                "training.max_minutes": 1.0, "training.epochs": 4, "training.log_every": 20,
+                "evaluation.limit": 4, "evaluation.max_new_tokens": 64, "evaluation.temperatures": "[0.0]",
+                "evaluation.max_minutes": 0.5, "output_dir": str(run), "data.cache_dir": str(self.out / "cache"),
+                "tracking.wandb_mode": "offline"}
+        cmd = [sys.executable, "-m", "specfoundry.runtime.cli", "train", self.args.recipe, "--overwrite"]
+        for k, v in sets.items():
+            cmd += ["--set", f"{k}={v}"]
+        env = {**os.environ, "WANDB_MODE": "offline"}
+        log = self.out / "train.log"
+        with open(log, "w") as f:
+            proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=max(60.0, min(300.0, self.left() - 150)))
+        if proc.returncode != 0:
+            tail = log.read_text()[-1500:]
+            raise RuntimeError(f"specfoundry train exited {proc.returncode}; log {log}: ...{tail}")
+        summary = json.loads((run / "train_summary.json").read_text())
+        self.state["speculator"] = str(run / "speculator")
+        return {k: summary.get(k) for k in ("steps", "tokens_trained", "train_seconds", "data_seconds", "wall_seconds",
+                                            "predicted_tau", "measured")}
+
+    def _drafter_source(self):
+        return self.state.get("speculator") or self.args.drafter
+
+    def _decode(self, backend: str, graphs: bool = False):
+        import torch
+
+        from specfoundry.runtime import SpeculativeGenerator, load_drafter, load_target
+
+        self.need_device()
+        dev = "cuda" if self.device == "cuda" else "cpu"
+        target = load_target(self.args.target, device=dev, dtype=self.dtype, backend=backend)
+        spec_target = target
+        if graphs:
+            from specfoundry.runtime.cuda_graph import GraphedTarget
+
+            spec_target = GraphedTarget(target)
+        source = self._drafter_source()
+        drafter = load_drafter(source, target=target)
+        gen = SpeculativeGenerator(spec_target, drafter)
+        n_tok = self.args.max_new_tokens
+        gen.generate(prompt=PROMPTS[0], max_new_tokens=16, speculate=False)  # warm-up (kernels, graphs)
+        gen.generate(prompt=PROMPTS[0], max_new_tokens=16)
+        rows, plain_s, spec_s, plain_n, spec_n, same = [], 0.0, 0.0, 0, 0, 0
+        taus = []
+        for p in PROMPTS[: self.args.prompts]:
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            a = gen.generate(prompt=p, max_new_tokens=n_tok, speculate=False, stop_at_eos=False)
+            b = gen.generate(prompt=p, max_new_tokens=n_tok, stop_at_eos=False)
+            plain_s += a.stats.seconds
+            spec_s += b.stats.seconds
+            plain_n += len(a.token_ids)
+            spec_n += len(b.token_ids)
+            same += a.token_ids == b.token_ids
+            taus.append(b.stats.tau)
+            rows.append({"tau": round(b.stats.tau, 3), "plain_tok_s": round(len(a.token_ids) / a.stats.seconds, 1),
+                         "spec_tok_s": round(len(b.token_ids) / b.stats.seconds, 1),
+                         "identical": a.token_ids == b.token_ids})
+        out = {"target": self.args.target, "backend": type(target).__name__ + ("+cuda_graphs" if graphs else ""),
+               "dtype": str(self.dtype).removeprefix("torch."), "device": dev, "drafter": str(source),
+               "tau": round(sum(taus) / len(taus), 3), "plain_tok_s": round(plain_n / plain_s, 1),
+               "spec_tok_s": round(spec_n / spec_s, 1), "speedup": round((spec_n / spec_s) / (plain_n / plain_s), 3),
+               "identical": f"{same}/{len(rows)}", "per_prompt": rows}
+        if graphs and dev == "cuda":
+            from specfoundry.runtime.cuda_graph import measure
+
+            out["graph_steps_ms"] = measure(self.args.target, past=256, reps=10,
+                                            dtype=str(self.dtype).removeprefix("torch."))
+        return out
+
+    def decode_hf(self):
+        return self._decode("hf")
+
+    def decode_engine(self):
+        return self._decode("engine")
+
+    def decode_graphs(self):
+        return self._decode("engine", graphs=True)
+
+    def tree_attention(self):
+        self.need_cuda()
+        import torch
+        import torch.nn.functional as F
+
+        from specfoundry.export.trt import kernel as K
+        from specfoundry.runtime.engine import best_seconds
+
+        dev = torch.device("cuda")
+        hq, hkv, d, past = LLAMA3_8B["num_attention_heads"], LLAMA3_8B["num_key_value_heads"], 128, 1024
+        attn = {}
+        for n in (1, 16, 32, 64):
+            q, k, v, m, scale = K.make_case(1, hq, hkv, n, past, d, torch.bfloat16, device="cuda", seed=0)
+            dense = K.unpack_tree_mask(m, n).to(dev)  # [B, T, T] bool
+            full = torch.cat([torch.ones(1, n, past, dtype=torch.bool, device=dev), dense], dim=2)[:, None]
+            kk, vv = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
+
+            def sdpa():
+                return F.scaled_dot_product_attention(q, kk, vv, attn_mask=full, scale=scale)
+
+            def triton():
+                return K.tree_attention(q, k, v, m, scale)
+
+            err = float((triton().float() - sdpa().float()).abs().max())
+            attn[n] = {"triton_us": round(1e6 * best_seconds(triton, 50, dev), 1),
+                       "sdpa_us": round(1e6 * best_seconds(sdpa, 50, dev), 1), "max_abs_diff": err}
+        # verify cost on a random-weight Llama-3-8B: engine forward of n tree tokens over 1024 past
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from specfoundry.runtime.models import wrap_target
+
+        torch.manual_seed(0)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the GPU: 16 GB, never 32 GB of fp32
+        try:
+            with torch.device("cuda"):
+                model = LlamaForCausalLM(LlamaConfig(**LLAMA3_8B)).eval()
+        finally:
+            torch.set_default_dtype(default)
+        target = wrap_target(model, name="llama-3-8b-random", backend="engine")
+        cache = target.new_cache(capacity=past + 64)
+        with torch.inference_mode():
+            target.forward(torch.randint(0, LLAMA3_8B["vocab_size"], (1, past), device=dev), cache)
+            cache.commit()
+            verify = {}
+            for n in (1, 16, 32, 64):
+                ids = torch.randint(0, LLAMA3_8B["vocab_size"], (1, n), device=dev)
+
+                def step():
+                    target.forward(ids, cache)
+                    cache.rollback()
+
+                verify[n] = 1e3 * best_seconds(step, 10, dev)
+        base = verify[1]
+        del model, target, cache
+        torch.cuda.empty_cache()
+        return {"attention_llama3_8b_past1024": attn,
+                "verify_ms_llama3_8b_random": {n: round(v, 3) for n, v in verify.items()},
+                "verify_cost_relative_to_1": {n: round(v / base, 3) for n, v in verify.items()}}
+
+    def tensorrt(self):
+        self.need_cuda()
+        if _version("tensorrt") is None:
+            raise Skip("tensorrt does not import (pip install tensorrt on the NVIDIA machine)")
+        out = self.out / "gpu-check"
+        cmd = [sys.executable, "-m", "specfoundry.export.trt.gpu_check", "--out", str(out), "--only",
+               "golden_cpu,tensorrt"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(30.0, self.left() - 10))
+        report = json.loads((out / "gpu_check.json").read_text()) if (out / "gpu_check.json").exists() else {}
+        sec = report.get("sections", {}).get("tensorrt", {})
+        if proc.returncode != 0 and sec.get("status") != "ok":
+            raise RuntimeError(f"gpu_check exited {proc.returncode}: {sec.get('reason') or proc.stderr[-800:]}")
+        return {"tensorrt": sec}
+
+
+# minimum seconds a section needs to be worth starting
+_MIN_S = {"env": 0, "train": 200, "decode_hf": 25, "decode_engine": 25, "decode_graphs": 40, "tree_attention": 40,
+          "tensorrt": 30}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specfoundry.train.gpu_run", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="runs/gpu-run")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="wall budget; later sections are skipped past it")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
+    ap.add_argument("--recipe", default="eagle3-smollm2-135m")
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--drafter", default="ngram", help="drafter when no speculator was trained here")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                    help="auto: cuda when available, else every section is skipped; cpu: decode sections on CPU (tests)")
+    args = ap.parse_args(argv)
+    wanted = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = set(wanted) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)}")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    r = Run(args)
+    summary = {"sections": {}, "budget_s": args.budget_s}
+    for name in SECTIONS:
+        t0 = time.perf_counter()
+        if name not in wanted:
+            rec = {"status": "skipped", "reason": "not selected (--sections)"}
+        elif r.left() < _MIN_S[name]:
+            rec = {"status": "skipped", "reason": f"time budget ({r.left():.0f} s left of {args.budget_s:.0f})"}
+        else:
+            try:
+                rec = {"status": "ok", "details": getattr(r, name)()}
+            except Skip as s:
+                rec = {"status": "skipped", "reason": str(s)}
+            except Exception as exc:  # noqa: BLE001 - a failed section must not stop the others
+                rec = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:2000],
+                       "traceback": traceback.format_exc()[-3000:]}
+        rec["seconds"] = round(time.perf_counter() - t0, 2)
+        summary["sections"][name] = rec
+        print(f"[gpu-run] {name:15s} {rec['status']:8s} {rec['seconds']:7.1f} s  {rec.get('reason', '')[:200]}",
+              file=sys.stderr)
+    summary["seconds"] = round(time.perf_counter() - r.t0, 1)
+    failed = [n for n, s in summary["sections"].items() if s["status"] == "failed"]
+    summary["ok"] = not failed
+    text = json.dumps(summary, indent=2, default=str)
+    (Path(args.out) / "gpu_run.json").write_text(text)
+    print(text)
+    print(f"[gpu-run] wrote {Path(args.out) / 'gpu_run.json'}; "
+          f"{'all sections ok or skipped' if not failed else 'FAILED: ' + ', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
