@@ -108,7 +108,7 @@ gpu-check: $(STAMP)
 GPU_RUN_ARGS ?=
 .PHONY: gpu-run
 gpu-run: $(STAMP)
-	$(BIN)/python -m specfoundry.train.gpu_run --out runs/gpu-run $(GPU_RUN_ARGS)
+	$(BIN)/python tools/gpu_run.py --out runs/gpu-run $(GPU_RUN_ARGS)
 
 # Serve smollm2-135m with an exported EAGLE-3 head in vLLM (CPU build, own venv .venv-vllm,
 # built on first use) and compare its acceptance length with our runtime's tau; checks vLLM's

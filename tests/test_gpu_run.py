@@ -1,22 +1,33 @@
-"""The prepared GPU run (``make gpu-run``, specfoundry.train.gpu_run): without a GPU every section
+"""The prepared GPU run (``make gpu-run``, tools/gpu_run.py): without a GPU every section
 but ``env`` says "skipped" with the reason and the command succeeds; the decode sections' code (HF
 path, engine, engine behind GraphedTarget, which runs its static step eagerly off CUDA) is checked
 on the CPU with a tiny target."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from specfoundry.runtime.models import builtin_model_dir
 
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "gpu_run.py"
+
+
+def _gpu_run_module():
+    spec = importlib.util.spec_from_file_location("gpu_run", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
 
 def test_without_a_gpu_every_section_is_skipped_and_it_succeeds(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    res = subprocess.run([sys.executable, "-m", "specfoundry.train.gpu_run", "--out", str(tmp_path)],
+    res = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads((tmp_path / "gpu_run.json").read_text())
@@ -38,8 +49,7 @@ def test_decode_sections_run_on_cpu_with_a_tiny_target(tmp_path):
                       eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     LlamaForCausalLM(cfg).save_pretrained(d)
     tok.save_pretrained(d)
-    from specfoundry.train.gpu_run import main
-
+    main = _gpu_run_module().main
     out = tmp_path / "out"
     assert main(["--out", str(out), "--device", "cpu", "--sections", "decode_hf,decode_engine,decode_graphs",
                  "--target", str(d), "--prompts", "1", "--max-new-tokens", "12"]) == 0

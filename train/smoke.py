@@ -49,6 +49,8 @@ SMOKE_PROMPTS = ["Write a haiku about rain.", "What is 2 + 2?", "Name three colo
 TINY = {"hidden_size": 64, "num_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 128}
 TINY_DRAFT_LAYERS = 2
+# what the smoke run exports (export.serving.SERVING_FORMATS; each type writes the ones it has)
+SERVING_FORMATS = "vllm,sglang,trtllm,hf_draft"
 
 
 def smoke_root() -> Path:
@@ -180,24 +182,22 @@ def smoke_overrides(name_or_path: str, processes: int = 2) -> list[str]:
 
 
 def export_result(recipe) -> dict:
-    """Export a finished smoke run's speculator to the serving formats its type has (what
-    ``specfoundry export <run>`` writes); returns ``export_report.json``'s content."""
-    import argparse
-
-    from specfoundry.export.cli import run_export
-    from specfoundry.export.serving import SERVING_FORMATS
+    """Export a finished smoke run's speculator to the serving formats (``specfoundry export <run>``,
+    run as the command: training code does not import the export package); returns
+    ``export_report.json``'s content."""
+    import subprocess
 
     run = Path(recipe.output_dir)
     target = recipe.target.name
     if recipe.method == "medusa2":  # the heads belong to the fine-tuned backbone the run wrote
         target = str(run / ("target" if (run / "target").is_dir() else "adapter"))
-    args = argparse.Namespace(run=str(run), formats=",".join(SERVING_FORMATS), engine=None, out=None,
-                              target=target, check=None)
-    code = run_export(args)
-    report = json.loads((run / "export" / "export_report.json").read_text())
+    cmd = [sys.executable, "-m", "specfoundry.runtime.cli", "export", str(run), "--formats", SERVING_FORMATS,
+           "--target", target]
+    print("[smoke] " + " ".join(cmd), file=sys.stderr)
+    code = subprocess.call(cmd, env=smoke_env())
     if code != 0:
         raise RuntimeError(f"export of {run} failed (exit {code})")
-    return report
+    return json.loads((run / "export" / "export_report.json").read_text())
 
 
 def smoke_env() -> dict:

@@ -83,13 +83,17 @@ def _pretrained_draft(name: str, target):
 
     from specfoundry.runtime import TargetModel, load_target
 
-    from ..run import plain_hf_init
+    from transformers.integrations import deepspeed as hf_ds
 
     try:
         # a whole HF model (the HF path, no engine): under ZeRO-3 transformers would otherwise build
-        # it already partitioned, empty in every process, and DeepSpeed partitions it at prepare
-        with plain_hf_init():
+        # it already partitioned, empty in every process (DeepSpeed partitions it at prepare)
+        ref = hf_ds._hf_deepspeed_config_weak_ref
+        hf_ds.unset_hf_deepspeed_config()
+        try:
             lm = load_target(name, dtype=torch.float32, backend="hf")
+        finally:
+            hf_ds._hf_deepspeed_config_weak_ref = ref
     except FileNotFoundError:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

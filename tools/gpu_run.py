@@ -1,6 +1,6 @@
 """A prepared GPU run (``make gpu-run``): one script of at most ~7 minutes for an NVIDIA machine.
 
-    python -m specfoundry.train.gpu_run [--out runs/gpu-run] [--budget-s 420] [--sections a,b,...]
+    python tools/gpu_run.py [--out runs/gpu-run] [--budget-s 420] [--sections a,b,...]
 
 Sections, in order; each reports ``ok`` / ``failed`` / ``skipped`` (with the reason) in
 ``<out>/gpu_run.json``, which is also printed:
@@ -26,6 +26,10 @@ Sections, in order; each reports ``ok`` / ``failed`` / ``skipped`` (with the rea
 Without a CUDA device every section but ``env`` is ``skipped`` with the reason and the exit code
 is 0; a failed section makes it 1. Sections that would start past the budget are skipped ("time
 budget"). ``--device cpu`` (tests) runs the decode sections on the CPU with ``--target``.
+
+It lives in ``tools/`` because it spans the layers (training through the ``specfoundry train``
+command, the runtime, the export package's Triton kernel), which the packages may not import
+across (tests/test_project_layout.py).
 """
 
 from __future__ import annotations
@@ -283,7 +287,7 @@ _MIN_S = {"env": 0, "train": 200, "decode_hf": 25, "decode_engine": 25, "decode_
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m specfoundry.train.gpu_run", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python tools/gpu_run.py", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="runs/gpu-run")
     ap.add_argument("--budget-s", type=float, default=420.0, help="wall budget; later sections are skipped past it")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
