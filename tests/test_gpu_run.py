@@ -61,3 +61,16 @@ def test_decode_sections_run_on_cpu_with_a_tiny_target(tmp_path):
         det = rec["details"]
         assert det["backend"] == backend and det["identical"] == "1/1" and det["tau"] >= 1.0 and det["speedup"] > 0
     assert secs["train"]["status"] == "skipped"
+
+
+def test_the_cuda_training_section_is_a_valid_recipe_that_passes_preflight_on_one_gpu(tmp_path):
+    """Its `specfoundry train` overrides validate, and the preflight passes with one (fake) GPU."""
+    from specfoundry.train.preflight import failures, preflight
+    from specfoundry.train.recipe import load_recipe, resolve
+
+    sets = _gpu_run_module().train_overrides(tmp_path)
+    r = resolve(load_recipe("eagle3-smollm2-135m", overrides=[f"{k}={v}" for k, v in sets.items()]))
+    assert r.target.device == "cuda" and r.training.precision == "bf16" and r.launcher.num_processes == 1
+    assert r.data.prompts[0].count == 128 and r.evaluation.temperatures == [0.0]
+    checks = preflight(r, cuda_probe=lambda: (1, [(100e9, 141e9)], "fake"))
+    assert not failures(checks), [c.line() for c in failures(checks)]

@@ -54,6 +54,17 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
 
 
+def train_overrides(out: Path) -> dict:
+    """``--set`` overrides of the default recipe for the short CUDA bf16 training (section 2)."""
+    return {"target.device": "cuda", "launcher.config": "single-gpu", "target.dtype": "bf16",
+            "training.precision": "bf16", "data.prompts.0.count": 128, "data.responses.max_new_tokens": 128,
+            "data.responses.batch_size": 64, "data.max_minutes": 0.75, "data.eval_prompts": 8,
+            "training.max_minutes": 1.0, "training.epochs": 4, "training.log_every": 20,
+            "evaluation.limit": 4, "evaluation.max_new_tokens": 64, "evaluation.temperatures": "[0.0]",
+            "evaluation.max_minutes": 0.5, "output_dir": str(Path(out) / "train"),
+            "data.cache_dir": str(Path(out) / "cache"), "tracking.wandb_mode": "offline"}
+
+
 class Skip(Exception):
     """A section that cannot run here (the reason is the message)."""
 
@@ -124,13 +135,7 @@ class Run:
     def train(self):
         self.need_cuda()
         run = self.out / "train"
-        sets = {"target.device": "cuda", "launcher.config": "single-gpu", "target.dtype": "bf16",
-                "training.precision": "bf16", "data.prompts.0.count": 128, "data.responses.max_new_tokens": 128,
-                "data.responses.batch_size": 64, "data.max_minutes": 0.75, "data.eval_prompts": 8,
-                "training.max_minutes": 1.0, "training.epochs": 4, "training.log_every": 20,
-                "evaluation.limit": 4, "evaluation.max_new_tokens": 64, "evaluation.temperatures": "[0.0]",
-                "evaluation.max_minutes": 0.5, "output_dir": str(run), "data.cache_dir": str(self.out / "cache"),
-                "tracking.wandb_mode": "offline"}
+        sets = train_overrides(self.out)
         cmd = [sys.executable, "-m", "specfoundry.runtime.cli", "train", self.args.recipe, "--overwrite"]
         for k, v in sets.items():
             cmd += ["--set", f"{k}={v}"]
