@@ -278,7 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         check_resume_recipe(recipe, run_dir)
     # the frozen target is loaded before the DeepSpeed plugin exists: under ZeRO-3 transformers
     # would otherwise partition it at load (it is replicated per process; only the head is sharded)
-    target = load_target(recipe.target.name, dtype=_dtype(recipe.target.dtype), revision=recipe.target.revision)
+    # on the recipe's device (cuda: this process's GPU, LOCAL_RANK under a launcher), where the head
+    # is trained and the hidden states are consumed
+    dev = recipe.target.device
+    dev = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if dev == "cuda" else dev
+    target = load_target(recipe.target.name, device=dev, dtype=_dtype(recipe.target.dtype),
+                         revision=recipe.target.revision)
     acc = make_accelerator(recipe)
     set_seed(recipe.training.seed)
     if acc.is_main_process:
