@@ -122,10 +122,24 @@ def host_memory_available() -> float | None:
         return None
 
 
+def memory_needed(plan) -> tuple[float | None, str]:
+    """Bytes per device the run will need, and a note. The plan's estimate, except that the
+    training run (train/run.py) loads the whole frozen target in every process today: a planned
+    ``zero3`` placement (the target partitioned over the processes) is counted whole here."""
+    if plan is None:
+        return None, ""
+    need = plan.memory.total
+    if plan.placement == "zero3" and plan.world_size > 1:
+        need += plan.target_weight_bytes - plan.memory.target_weights
+        return need, (f" (the whole {plan.target_weight_bytes / GB:.1f} GB target in every process: target.placement "
+                      "zero3 is planned but the training run does not partition the frozen target yet)")
+    return need, ""
+
+
 def _device_checks(recipe, plan, cuda_probe) -> list[Check]:
     kind, local = _device_kind(recipe), _local_processes(recipe)
     out = []
-    need = plan.memory.total if plan is not None else None
+    need, note = memory_needed(plan)
     machines = int(recipe.launcher.num_machines or 1)
     per = f"{local} process(es) on this machine" + (f" ({machines} machines)" if machines > 1 else "")
     if kind == "cpu":
@@ -137,7 +151,7 @@ def _device_checks(recipe, plan, cuda_probe) -> list[Check]:
             out.append(Check("memory", "skip", f"host memory unknown; the plan needs ~{need / GB:.1f} GB per process"))
         elif need * local > avail:
             out.append(Check("memory", "fail", f"the plan needs ~{need / GB:.1f} GB of host RAM per process x {local} = "
-                                               f"{need * local / GB:.1f} GB, {avail / GB:.1f} GB available"))
+                                               f"{need * local / GB:.1f} GB, {avail / GB:.1f} GB available{note}"))
         else:
             out.append(Check("memory", "ok", f"~{need * local / GB:.2f} GB of host RAM for {local} process(es), "
                                              f"{avail / GB:.1f} GB available"))
@@ -172,12 +186,14 @@ def _device_checks(recipe, plan, cuda_probe) -> list[Check]:
         short = [(i, f) for i, (f, _t) in enumerate(mem[:local]) if f < need]
         if short:
             i, f = min(short, key=lambda x: x[1])
-            out.append(Check("memory", "fail", f"the plan needs ~{need / GB:.1f} GB per device; {len(short)} of {local} "
-                                               f"device(s) have less free (cuda:{i}: {f / GB:.1f} GB); lower "
-                                               "training.batch_size / data.max_seq_len or use a higher ZeRO stage"))
+            out.append(Check("memory", "fail", f"the run needs ~{need / GB:.1f} GB per device{note}; {len(short)} of "
+                                               f"{local} device(s) have less free (cuda:{i}: {f / GB:.1f} GB)"
+                                               + ("" if note else "; lower training.batch_size / data.max_seq_len or "
+                                                  "use a higher ZeRO stage")))
         else:
             least = min(f for f, _ in mem[:local])
-            out.append(Check("memory", "ok", f"~{need / GB:.1f} GB per device needed, at least {least / GB:.1f} GB free"))
+            out.append(Check("memory", "ok", f"~{need / GB:.1f} GB per device needed{note}, at least {least / GB:.1f} "
+                                             "GB free"))
     return out
 
 
