@@ -195,6 +195,10 @@ def make_plan(recipe: Recipe, *, zero_stage: int | None = None, arch: Architectu
         for st in (0, 2, 3):
             sds = ds if st == stage else ({"zero_optimization": {"stage": st}} if st else None)
             by_stage[st] = memory_per_device(r, A, spec, st, world, _placement(r, st, world), device, sds)
+    if placement == "zero3" and world > 1:
+        whole = A.param_count() * BYTES[r.target.dtype]
+        warnings.append(f"target placement zero3 is planned, but the training run loads the whole frozen target "
+                        f"({whole / GB:.1f} GB) in every process today (train/run.py); the preflight counts it whole")
     cap = r.launcher.device_memory_gb * GB if r.launcher.device_memory_gb else None
     fits = None if cap is None else memory.total <= cap
     if fits is False:
