@@ -74,3 +74,23 @@ def test_the_cuda_training_section_is_a_valid_recipe_that_passes_preflight_on_on
     assert r.data.prompts[0].count == 128 and r.evaluation.temperatures == [0.0]
     checks = preflight(r, cuda_probe=lambda: (1, [(100e9, 141e9)], "fake"))
     assert not failures(checks), [c.line() for c in failures(checks)]
+
+
+def test_the_tree_attention_section_functions_on_cpu():
+    """Section 6's two measurements at toy sizes on the CPU: the verify-cost curve of a random
+    Llama on the engine, and the Triton kernel vs SDPA (Triton's interpreter, in a subprocess:
+    TRITON_INTERPRET must be set before triton is imported)."""
+    mod = _gpu_run_module()
+    cfg = dict(mod.LLAMA3_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=256)
+    ms = mod.verify_cost(cfg, "cpu", torch.float32, past=16, ns=(1, 4), reps=2)
+    assert set(ms) == {1, 4} and all(v > 0 for v in ms.values())
+    code = ("import importlib.util, json, torch\n"
+            f"spec = importlib.util.spec_from_file_location('gpu_run', {str(SCRIPT)!r})\n"
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+            "print(json.dumps(m.attention_compare('cpu', torch.float32, 4, 2, 16, 8, ns=(1, 5), reps=1)))\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert set(out) == {"1", "5"} and all(r["max_abs_diff"] < 1e-4 for r in out.values()), out

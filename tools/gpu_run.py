@@ -65,6 +65,72 @@ def train_overrides(out: Path) -> dict:
             "data.cache_dir": str(Path(out) / "cache"), "tracking.wandb_mode": "offline"}
 
 
+def attention_compare(device: str, dtype, hq: int, hkv: int, d: int, past: int, ns=(1, 16, 32, 64),
+                      reps: int = 50) -> dict:
+    """The Triton tree-attention kernel vs SDPA (explicit bool mask, K/V repeated for GQA) per tree
+    size ``n``: microseconds per call and the largest output difference. CUDA, or the CPU under
+    TRITON_INTERPRET=1 (tests)."""
+    import torch
+    import torch.nn.functional as F
+
+    from specfoundry.export.trt import kernel as K
+    from specfoundry.runtime.engine import best_seconds
+
+    dev = torch.device(device)
+    out = {}
+    for n in ns:
+        q, k, v, m, scale = K.make_case(1, hq, hkv, n, past, d, dtype, device=device, seed=0)
+        dense = K.unpack_tree_mask(m, n).to(dev)  # [B, T, T] bool
+        full = torch.cat([torch.ones(1, n, past, dtype=torch.bool, device=dev), dense], dim=2)[:, None]
+        kk, vv = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
+
+        def sdpa():
+            return F.scaled_dot_product_attention(q, kk, vv, attn_mask=full, scale=scale)
+
+        def triton():
+            return K.tree_attention(q, k, v, m, scale)
+
+        err = float((triton().float() - sdpa().float()).abs().max())
+        out[n] = {"triton_us": round(1e6 * best_seconds(triton, reps, dev), 1),
+                  "sdpa_us": round(1e6 * best_seconds(sdpa, reps, dev), 1), "max_abs_diff": err}
+    return out
+
+
+def verify_cost(config: dict, device: str, dtype, past: int = 1024, ns=(1, 16, 32, 64), reps: int = 10) -> dict:
+    """ms of one engine forward of ``n`` tokens over ``past`` cached ones, per ``n``, on a random
+    Llama of ``config`` (built directly on ``device`` in ``dtype``)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specfoundry.runtime.engine import best_seconds
+    from specfoundry.runtime.models import wrap_target
+
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in the target dtype on the device: no fp32 copy of 8B weights
+    try:
+        with dev:
+            model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    finally:
+        torch.set_default_dtype(default)
+    target = wrap_target(model, name="llama-random", backend="engine")
+    cache = target.new_cache(capacity=past + max(ns))
+    out = {}
+    with torch.inference_mode():
+        target.forward(torch.randint(0, config["vocab_size"], (1, past), device=dev), cache)
+        cache.commit()
+        for n in ns:
+            ids = torch.randint(0, config["vocab_size"], (1, n), device=dev)
+
+            def step():
+                target.forward(ids, cache)
+                cache.rollback()
+
+            out[n] = 1e3 * best_seconds(step, reps, dev)
+    return out
+
+
 class Skip(Exception):
     """A section that cannot run here (the reason is the message)."""
 
@@ -214,62 +280,14 @@ class Run:
     def tree_attention(self):
         self.need_cuda()
         import torch
-        import torch.nn.functional as F
 
-        from specfoundry.export.trt import kernel as K
-        from specfoundry.runtime.engine import best_seconds
-
-        dev = torch.device("cuda")
         hq, hkv, d, past = LLAMA3_8B["num_attention_heads"], LLAMA3_8B["num_key_value_heads"], 128, 1024
-        attn = {}
-        for n in (1, 16, 32, 64):
-            q, k, v, m, scale = K.make_case(1, hq, hkv, n, past, d, torch.bfloat16, device="cuda", seed=0)
-            dense = K.unpack_tree_mask(m, n).to(dev)  # [B, T, T] bool
-            full = torch.cat([torch.ones(1, n, past, dtype=torch.bool, device=dev), dense], dim=2)[:, None]
-            kk, vv = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
-
-            def sdpa():
-                return F.scaled_dot_product_attention(q, kk, vv, attn_mask=full, scale=scale)
-
-            def triton():
-                return K.tree_attention(q, k, v, m, scale)
-
-            err = float((triton().float() - sdpa().float()).abs().max())
-            attn[n] = {"triton_us": round(1e6 * best_seconds(triton, 50, dev), 1),
-                       "sdpa_us": round(1e6 * best_seconds(sdpa, 50, dev), 1), "max_abs_diff": err}
-        # verify cost on a random-weight Llama-3-8B: engine forward of n tree tokens over 1024 past
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        from specfoundry.runtime.models import wrap_target
-
-        torch.manual_seed(0)
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the GPU: 16 GB, never 32 GB of fp32
-        try:
-            with torch.device("cuda"):
-                model = LlamaForCausalLM(LlamaConfig(**LLAMA3_8B)).eval()
-        finally:
-            torch.set_default_dtype(default)
-        target = wrap_target(model, name="llama-3-8b-random", backend="engine")
-        cache = target.new_cache(capacity=past + 64)
-        with torch.inference_mode():
-            target.forward(torch.randint(0, LLAMA3_8B["vocab_size"], (1, past), device=dev), cache)
-            cache.commit()
-            verify = {}
-            for n in (1, 16, 32, 64):
-                ids = torch.randint(0, LLAMA3_8B["vocab_size"], (1, n), device=dev)
-
-                def step():
-                    target.forward(ids, cache)
-                    cache.rollback()
-
-                verify[n] = 1e3 * best_seconds(step, 10, dev)
-        base = verify[1]
-        del model, target, cache
+        attn = attention_compare("cuda", torch.bfloat16, hq, hkv, d, past)
+        verify = verify_cost(LLAMA3_8B, "cuda", torch.bfloat16, past=past)
         torch.cuda.empty_cache()
         return {"attention_llama3_8b_past1024": attn,
                 "verify_ms_llama3_8b_random": {n: round(v, 3) for n, v in verify.items()},
-                "verify_cost_relative_to_1": {n: round(v / base, 3) for n, v in verify.items()}}
+                "verify_cost_relative_to_1": {n: round(v / verify[1], 3) for n, v in verify.items()}}
 
     def tensorrt(self):
         self.need_cuda()
