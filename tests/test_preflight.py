@@ -184,3 +184,29 @@ def test_multinode_launch_arguments_and_checks():
                                                    "launcher.machine_rank": 2})
     # one machine: no multi-node arguments
     assert "--machine_rank" not in launch_args(resolve(load_recipe("eagle3-smollm2-135m")))
+
+
+def test_a_real_run_fetches_a_missing_hub_target_once_and_only_when_all_else_passed(tmp_path, monkeypatch):
+    """allow_download (a real run): the Hub is asked in the launching process, once, and only when
+    every other check passed; its failure is the runtime's one HubError line."""
+    from specfoundry.runtime import models
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    calls = []
+
+    def gated(repo, revision=None):
+        calls.append((repo, revision))
+        raise models.HubError(f"{repo} is a gated model: accept its license on https://huggingface.co/{repo} and "
+                              "set HF_TOKEN (or run `hf auth login`)")
+
+    monkeypatch.setattr(models, "hub_snapshot", gated)
+    r = load_recipe("eagle3-llama3-8b", overrides={"data.prompts": [{"source": "magpie", "count": 4096}]})
+    ok_devices = _probe(8, free_gb=80)
+    target = _by_name(preflight(r, cuda_probe=ok_devices, allow_download=True))["target"]
+    assert calls == [("meta-llama/Llama-3.1-8B-Instruct", None)]
+    assert target.status == "fail" and "gated model" in target.detail and "HF_TOKEN" in target.detail
+    # with a device failure nothing is fetched (the run could not start anyway)
+    calls.clear()
+    target = _by_name(preflight(r, cuda_probe=_probe(0), allow_download=True))["target"]
+    assert calls == [] and target.status == "warn"
