@@ -210,3 +210,11 @@ def test_a_real_run_fetches_a_missing_hub_target_once_and_only_when_all_else_pas
     calls.clear()
     target = _by_name(preflight(r, cuda_probe=_probe(0), allow_download=True))["target"]
     assert calls == [] and target.status == "warn"
+
+
+def test_a_multi_cpu_config_that_would_start_one_process_is_refused():
+    """accelerate starts a MULTI_CPU config's processes through mpirun only: ddp-2proc with 2
+    processes would silently train in 1; the preflight says so (zero-cpu-2proc runs 2 through torchrun)."""
+    r = load_recipe("eagle3-smollm2-135m", overrides={"launcher.config": "ddp-2proc", "launcher.num_processes": 2})
+    bad = [c for c in preflight(r) if c.name == "launcher"]
+    assert bad[0].status == "fail" and "would start 1 process, not 2" in bad[0].detail

@@ -376,6 +376,11 @@ def _launcher_checks(recipe) -> list[Check]:
                 if k in ds and ds[k] != v:
                     problems.append(f"launcher.deepspeed: {k} is {ds[k]} in {ln.deepspeed!r}, but the recipe with "
                                     f"{nproc} process(es) makes it {v} (set it to \"auto\")")
+    if acc.get("distributed_type") == "MULTI_CPU" and nproc > 1 and not acc.get("mpirun_config"):
+        # accelerate's simple launcher starts ONE process for a MULTI_CPU config unless mpirun runs it
+        problems.append(f"accelerate config {ln.config!r} (MULTI_CPU) would start 1 process, not {nproc}: accelerate "
+                        "launches CPU data parallelism through mpirun only; use zero-cpu-2proc with a ZeRO config "
+                        "(torchrun, gloo) for several CPU processes")
     if nmach > 1:
         rank = getattr(ln, "machine_rank", None)
         rank = int(acc.get("machine_rank", 0)) if rank is None else int(rank)

@@ -13,8 +13,8 @@ swapped (what the machine cannot hold)
   - devices and precision: ``target.device: cpu``, fp32 target/responses/training (bf16 mixed
     precision under DeepSpeed needs a GPU), ``launcher.device_memory_gb`` unset.
   - the launcher: a DeepSpeed recipe runs the CPU DeepSpeed config ``zero-cpu-2proc`` with the
-    recipe's own ZeRO JSON (stage kept), 2 processes over gloo; a non-DeepSpeed multi-GPU one
-    ``ddp-2proc``; a single-GPU one ``single-cpu``.
+    recipe's own ZeRO JSON (stage kept), 2 processes over gloo; any other one ``single-cpu``
+    (accelerate starts plain CPU data parallelism only through mpirun).
   - data volume: the prompt sources become one 12-prompt local file (no network; a random target
     cannot write Magpie prompts); 16-token self-distilled responses, ``max_seq_len`` 64, 2 held out.
   - schedule and evaluation size: 2 steps of micro-batch 2 (``grad_accum`` kept), a checkpoint
@@ -125,7 +125,6 @@ def _yaml(value) -> str:
 def smoke_overrides(name_or_path: str, processes: int = 2) -> list[str]:
     """The ``--set KEY=VALUE`` lines that make recipe ``name_or_path`` a CPU smoke run (see the
     module docstring); writes the tiny target (and draft) on first use."""
-    from .launcher import read_accelerate_config
     from .recipe import load_recipe
 
     recipe = load_recipe(name_or_path)
@@ -162,14 +161,10 @@ def smoke_overrides(name_or_path: str, processes: int = 2) -> list[str]:
                  "training.log_every": 1, "training.max_minutes": None, "training.precision": "fp32"})
     # launcher: CPU, gloo, the recipe's ZeRO stage
     ln = recipe.launcher
-    acc = read_accelerate_config(ln.config)
     if ln.deepspeed is not None:
         sets["launcher.config"] = "zero-cpu-2proc"
         n = processes
-    elif (ln.num_processes or int(acc.get("num_processes", 1))) > 1:
-        sets["launcher.config"] = "ddp-2proc"
-        n = processes
-    else:
+    else:  # plain DDP on CPU: accelerate starts CPU DDP through mpirun only, so one process here
         sets["launcher.config"] = "single-cpu"
         n = 1
     sets.update({"launcher.num_processes": n, "launcher.num_machines": 1, "launcher.device_memory_gb": None,
