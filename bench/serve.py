@@ -155,7 +155,9 @@ async def _soak(url: str, prompts: list[list[dict]], seconds: float, max_tokens:
     samples = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(300)) as client:
         rss_start = await _rss(client, url)
-        t_end = time.perf_counter() + seconds
+        t0 = time.perf_counter()
+        t_end = t0 + seconds
+        rss_samples = [(0.0, rss_start)]  # (seconds into the soak, MB) after every phase
         i = 0
         while time.perf_counter() < t_end:
             c = rng.choice([1, 2, 4, max_c])
@@ -174,11 +176,26 @@ async def _soak(url: str, prompts: list[list[dict]], seconds: float, max_tokens:
                         counts["abandoned" if r.get("abandoned") else "completed"] += 1
 
             await asyncio.gather(*(worker() for _ in range(c)))
+            rss_samples.append((round(time.perf_counter() - t0, 1), await _rss(client, url)))
         await asyncio.sleep(1.0)  # let abandoned streams' slots free
         health = (await client.get(url + "/health")).json()
         rss_end = await _rss(client, url)
     return {"seconds": seconds, **counts, "error_samples": samples[:3], "rss_start_mb": rss_start,
-            "rss_end_mb": rss_end, "health_after": health}
+            "rss_end_mb": rss_end, "rss_samples": rss_samples, **rss_trend(rss_samples), "health_after": health}
+
+
+def rss_trend(samples: list[tuple[float, float | None]]) -> dict:
+    """Growth of resident memory over a soak, split in halves: warm-up growth (new shapes, caches)
+    lands in the first half; a leak keeps growing in the second. MB per minute over the second half."""
+    pts = [(t, mb) for t, mb in samples if mb is not None]
+    if len(pts) < 3:
+        return {"rss_first_half_mb": None, "rss_second_half_mb": None, "rss_second_half_mb_per_min": None}
+    mid = pts[-1][0] / 2
+    half = min(pts, key=lambda p: abs(p[0] - mid))
+    second = pts[-1][1] - half[1]
+    span = pts[-1][0] - half[0]
+    return {"rss_first_half_mb": round(half[1] - pts[0][1], 1), "rss_second_half_mb": round(second, 1),
+            "rss_second_half_mb_per_min": round(60 * second / span, 1) if span > 0 else None}
 
 
 def _plot(levels: dict, path: Path) -> Path | None:
@@ -268,7 +285,9 @@ def main(args) -> int:
     md = [f"# bench-serve: {args.target} + {speculator}", "", _table(levels)]
     if soak:
         md += ["", f"soak {soak['seconds']:.0f} s: completed {soak['completed']}, abandoned {soak['abandoned']}, "
-                   f"errors {soak['errors']}, RSS {soak['rss_start_mb']} -> {soak['rss_end_mb']} MB"]
+                   f"errors {soak['errors']}, RSS {soak['rss_start_mb']} -> {soak['rss_end_mb']} MB "
+                   f"(first half +{soak['rss_first_half_mb']} MB, second half +{soak['rss_second_half_mb']} MB, "
+                   f"{soak['rss_second_half_mb_per_min']} MB/min)"]
     plot = _plot(levels, out / "throughput.png")
     (out / "report.md").write_text("\n".join(md) + "\n")
     print("\n".join(md[2:]))

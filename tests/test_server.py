@@ -512,3 +512,16 @@ def test_bench_serve_sweeps_modes_and_writes_its_report(model_dirs, tmp_path):
     assert any(r["tau"] > 1.0 for r in report["levels"]["on"])  # the always-on server drafted and accepted
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| 2 | load-aware |" in md
+
+
+def test_soak_rss_trend_separates_warm_up_from_growth():
+    from specfoundry.bench.serve import rss_trend
+
+    # warm-up then flat: all growth in the first half
+    flat = rss_trend([(0, 1000.0), (15, 1200.0), (30, 1250.0), (45, 1250.0), (60, 1251.0)])
+    assert flat["rss_first_half_mb"] == 250.0 and flat["rss_second_half_mb"] == 1.0
+    # steady growth: 10 MB every 15 s -> 40 MB/min over the second half
+    leak = rss_trend([(t, 1000.0 + 10 * t / 15) for t in range(0, 121, 15)])
+    assert leak["rss_second_half_mb_per_min"] == pytest.approx(40.0)
+    # a server without the process collector reports nothing rather than a made-up trend
+    assert rss_trend([(0, None), (15, None)])["rss_second_half_mb"] is None
