@@ -62,8 +62,27 @@ def run_train(args) -> int:
     if (recipe.launcher.num_processes or 1) == 1 and recipe.launcher.deepspeed is None:
         from .run import main  # one process: no launcher needed
 
-        return main([args.recipe, *extra])
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_args(recipe), "-m",
-           "specfoundry.train.run", args.recipe, *extra]
-    print("[train] " + " ".join(cmd), file=sys.stderr)
-    return subprocess.call(cmd, env=os.environ.copy())
+        rc = main([args.recipe, *extra])
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_args(recipe), "-m",
+               "specfoundry.train.run", args.recipe, *extra]
+        print("[train] " + " ".join(cmd), file=sys.stderr)
+        rc = subprocess.call(cmd, env=os.environ.copy())
+    if rc == 0:
+        print(final_line(recipe.output_dir), flush=True)
+    return rc
+
+
+def final_line(run_dir) -> str:
+    """The line a finished run ends with: which stages a minute guard stopped (planned vs done),
+    or that all ran as planned; read from the run's ``train_summary.json``."""
+    import json
+    from pathlib import Path
+
+    from .stages import guard_line
+
+    try:
+        summary = json.loads((Path(run_dir) / "train_summary.json").read_text())
+    except (OSError, ValueError):
+        return f"[train] WARNING: no readable train_summary.json in {run_dir}: planned vs done unknown"
+    return guard_line(summary.get("stages"))

@@ -27,7 +27,7 @@ from .datacache import (ChunkReport, GenStats, dtype_name, model_fingerprint, re
                         save_dataset_atomic, stable_hash)
 from .generation import DEFAULT_RESPONSES, ChatFormat, generate_batched, responses_key_base, self_distill  # noqa: F401
 from .logs import stderr_logger
-from .prompts import load_prompts
+from .prompts import MAGPIE_DEFAULTS, load_prompts
 
 __all__ = ["build_dataset", "make_example", "split_eval", "TRAIN_FEATURES", "ChatFormat", "ChunkReport", "GenStats",
            "self_distill", "generate_batched", "stable_hash", "model_fingerprint", "resolve_dtype", "dtype_name"]
@@ -95,7 +95,7 @@ def split_eval(prompts: list[str], eval_prompts, seed: int) -> tuple[list[str], 
 
 def build_dataset(prompt_sources: list[dict], target, *, responses_cfg: dict | None = None, max_seq_len: int = 512,
                   eval_prompts=0, loss_on_prompt: bool = False, cache_dir: str | Path, seed: int = 0,
-                  min_response_tokens: int = 16, max_minutes: float | None = None):
+                  min_response_tokens: int = 16, max_minutes: float | None = None, stats: dict | None = None):
     """Prompts from ``prompt_sources`` -> self-distilled, tokenized training examples.
 
     ``prompt_sources``: dicts, e.g. ``{"source": "magpie", "count": 2000}``,
@@ -108,7 +108,10 @@ def build_dataset(prompt_sources: list[dict], target, *, responses_cfg: dict | N
     are dropped. ``max_minutes`` is a wall budget for generation (Magpie rounds and response
     chunks): past it nothing new is started and the dataset holds what is done (a rerun with
     more time continues from the cache; with several processes give the budget to the main one
-    and ``max_minutes=0`` to the others, which then read exactly what it cached). Returns
+    and ``max_minutes=0`` to the others, which then read exactly what it cached). ``stats``: a
+    dict filled with what was planned and done (``prompts_asked`` (None when a source has no
+    limit), ``prompts``, ``held_out``, ``to_distill``, ``chunks_skipped``, ``examples``,
+    ``stopped_by_guard``: the budget left prompts or responses ungenerated). Returns
     ``(train_ds, eval_prompts_list)``; ``train_ds`` is saved under
     ``cache_dir/datasets/<hash>`` and memory-mapped from there.
     """
@@ -118,6 +121,7 @@ def build_dataset(prompt_sources: list[dict], target, *, responses_cfg: dict | N
     t0 = time.perf_counter()
     deadline = time.time() + 60 * max_minutes if max_minutes is not None else None
     prompts = load_prompts(prompt_sources, target=target, cache_dir=cache_dir, seed=seed, deadline=deadline)
+    out_of_time_prompts = deadline is not None and time.time() > deadline
     train_prompts, held_out = split_eval(prompts, eval_prompts, seed)
     chat = ChatFormat(target)
     room = max_seq_len - min_response_tokens
@@ -151,6 +155,13 @@ def build_dataset(prompt_sources: list[dict], target, *, responses_cfg: dict | N
                     cols[k].append(ex[k])
         save_dataset_atomic(Dataset.from_dict(cols, features=TRAIN_FEATURES()), out)
     ds = load_from_disk(str(out))
+    if stats is not None:
+        asked = [s.get("count", MAGPIE_DEFAULTS["count"]) if s.get("source") == "magpie" else s.get("limit") for s in prompt_sources]
+        asked_total = sum(asked) if all(a is not None for a in asked) else None
+        stats.update(prompts_asked=asked_total, prompts=len(prompts), held_out=len(held_out), to_distill=len(fits),
+                     chunks_skipped=report.skipped, examples=len(ds),
+                     stopped_by_guard=bool(report.skipped or (out_of_time_prompts and asked_total is not None
+                                                              and len(prompts) < asked_total)))
     n_tok = sum(len(x) for x in ds["input_ids"]) if len(ds) else 0
     n_lab = sum(sum(x) for x in ds["loss_mask"]) if len(ds) else 0
     _log(f"dataset: {len(ds)} examples, {n_tok} tokens, {n_lab} label tokens "

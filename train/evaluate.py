@@ -18,8 +18,14 @@ BUILTIN_HELDOUT = "builtin-heldout"
 def evaluate_speculator(target, drafter, prompt_sets: dict[str, list[str]], *, temperatures=(0.0, 1.0),
                         max_new_tokens: int = 128, depth: int = 5, baseline: bool = True,
                         max_minutes: float | None = None, seed: int = 0, adaptive: bool = True) -> dict:
-    """``{set: {"T=<t>": {tau, acceptance_by_position, speedup, n; at T=0 identical_rate,
-    near_ties, lossless_failures}}}`` (see :func:`~specfoundry.runtime.lossless.compare_greedy`)."""
+    """``{set: {"T=<t>": {tau, acceptance_by_position, speedup, n, planned; at T=0 identical_rate,
+    near_ties, lossless_failures}}}`` (see :func:`~specfoundry.runtime.lossless.compare_greedy`).
+
+    ``planned`` is the number of prompts given for the set, ``n`` the number measured. ``max_minutes``
+    is a guard over the whole evaluation: once past it no new prompt starts, and every cell it cut
+    short carries ``stopped_by_guard: True`` and ``incomplete: "<n>/<planned> prompts (...)"``; a
+    cell the guard reached before its first prompt is still listed, with ``n: 0`` and ``tau: None``
+    (never silently left out)."""
     gen = SpeculativeGenerator(target, drafter, max_depth=depth, adaptive=adaptive)
     deadline = time.perf_counter() + max_minutes * 60 if max_minutes else None
     out: dict = {}
@@ -41,10 +47,15 @@ def evaluate_speculator(target, drafter, prompt_sets: dict[str, list[str]], *, t
                     ratios.append(plain.stats.seconds / spec.stats.seconds)
                     if t == 0:
                         ident.append(compare_greedy(target, spec.prompt_ids, spec.token_ids, plain.token_ids))
+            cut = len(runs) < len(prompts)  # only the deadline ends a cell early
+            why = {"stopped_by_guard": True,
+                   "incomplete": f"{len(runs)}/{len(prompts)} prompts (evaluation.max_minutes={max_minutes:g} reached)"
+                   } if cut else {}
             if not runs:
+                out[name][f"T={t:g}"] = {"n": 0, "planned": len(prompts), "tau": None, **why}
                 continue
             summary = summarize_tau(runs)  # the one definition of tau (pooled) the bench uses too
-            entry = {"n": summary["n"], "planned": len(prompts), "tau": summary["tau"],
+            entry = {"n": summary["n"], "planned": len(prompts), **why, "tau": summary["tau"],
                      "tau_min": summary["tau_min"], "tau_median": summary["tau_median"], "tau_max": summary["tau_max"],
                      "acceptance_by_position": summary["acceptance_by_position"]}
             if ratios:

@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                          recipe.tracking.wandb_mode) if recipe.tracking.wandb_mode != "disabled" else "disabled"
 
     d = recipe.data
+    data_stats: dict = {}  # planned vs done, for the summary's stages block
     t_data = time.perf_counter()
     with acc.main_process_first():  # the main process generates and caches; the others reuse
         train_ds, heldout = build_dataset(prompt_source_dicts(recipe), target, responses_cfg=vars(d.responses) | {},
@@ -303,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                                           seed=recipe.training.seed,
                                           # only the main process generates within the budget; the
                                           # others then read exactly what it cached
-                                          max_minutes=d.max_minutes if acc.is_main_process else 0)
+                                          max_minutes=d.max_minutes if acc.is_main_process else 0,
+                                          stats=data_stats)
     data_seconds = time.perf_counter() - t_data
 
     val_ds = None
@@ -368,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
               "sequences": len(train_ds), "tokens_trained": summary["tokens"], "steps": summary["global_step"],
               "train_seconds": summary["seconds"], "data_seconds": data_seconds, "wandb_mode": mode,
               "final_metrics": summary["history"][-1] if summary["history"] else {}}
+    from .stages import capture_stage, data_stage, training_stage
+
+    result["stages"] = {"data": data_stage(data_stats, d.max_minutes),
+                        "capture": capture_stage(d.hidden_states, len(train_ds) + (len(val_ds) if val_ds else 0)),
+                        "training": training_stage(steps, summary, tr.max_minutes)}
     if acc.is_main_process:
         with plain_hf_init():
             _save_and_evaluate(recipe, target, module, state_dict, run_dir, summary, heldout, result, acc, t0)
@@ -408,12 +415,20 @@ def _save_and_evaluate(recipe, target, module, state_dict, run_dir: Path, summar
                                              adaptive=ev.adaptive)
     result["evaluation"] = {"depth": ev.depth, "adaptive": ev.adaptive, **options,
                             **({"skipped": skipped} if skipped else {})}
+    from .stages import evaluation_stage, guard_line
+
+    # planned = the prompts the recipe asked for per set (a set with fewer is marked, not hidden)
+    result.setdefault("stages", {})["evaluation"] = evaluation_stage(
+        result["measured"], {name: ev.limit for name in sets}, ev.max_minutes)
+    result["guard_report"] = guard_line(result["stages"])
     result["predicted_tau"] = result["final_metrics"].get("predicted_tau")
     result["wall_seconds"] = time.perf_counter() - t_start
     (run_dir / "train_summary.json").write_text(json.dumps(result, indent=2, default=str))
-    acc.log({f"measured/{s}/{t}/tau": v["tau"] for s, per in result["measured"].items() for t, v in per.items()},
+    acc.log({f"measured/{s}/{t}/tau": v["tau"] for s, per in result["measured"].items() for t, v in per.items()
+             if v["tau"] is not None},
             step=summary["global_step"])
-    print(json.dumps({k: result[k] for k in ("recipe", "tokens_trained", "wall_seconds", "predicted_tau", "measured")},
+    print(json.dumps({k: result[k] for k in ("recipe", "tokens_trained", "wall_seconds", "predicted_tau", "measured",
+                                             "guard_report")},
                      indent=2, default=str))
 
 

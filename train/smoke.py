@@ -230,7 +230,7 @@ def run_smoke(args, recipe) -> int:
     summary_file = Path(recipe.output_dir) / "train_summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     line = {"recipe": recipe.name, "smoke": True, "run": recipe.output_dir, "steps": summary.get("steps"),
-            "measured": {s: {t: round(v.get("tau", 0.0), 3) for t, v in per.items()}
+            "measured": {s: {t: (round(v["tau"], 3) if v.get("tau") is not None else None) for t, v in per.items()}
                          for s, per in (summary.get("measured") or {}).items()},
             "exported": sorted(report.get("written", {})), "export_skipped": sorted(report.get("skipped", {}))}
     print("[smoke] " + json.dumps(line), file=sys.stderr)
