@@ -163,9 +163,16 @@ def run_cli(args) -> int:
     for u in unavailable:
         print(f"[bench] {u['name']}: {u['reason']}", file=sys.stderr)
     env = environment()  # before the run: the commit and threads that measured, not those at the end
+    from .floor import weight_streaming_floor
+
+    floor = weight_streaming_floor(target.model)  # same threads as the run, before it starts
+    print(f"[bench] weight-streaming floor: {floor['read_gbs']:.1f} GB/s, {floor['weight_bytes'] / 1e6:.0f} MB "
+          f"-> {floor['floor_ms']:.1f} ms per token", file=sys.stderr)
     raw = run_bench(target, prompts, methods, temperatures=temps, max_new_tokens=args.max_new_tokens,
                     repeats=args.repeats, seed=args.seed, stop_at_eos=not args.ignore_eos, progress=not args.no_progress)
-    described = [m.describe() for m in methods]
+    described = [m.describe() | ({"warmup_seconds": raw["warmup_seconds"][m.name]}
+                                  if m.name in raw.get("warmup_seconds", {}) else {}) for m in methods]
+    raw["floor"] = floor
     return write_report(out, raw, described, unavailable, {
         "target": args.target, "dtype": args.dtype, "backend": target.backend, "temperatures": temps, "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "seed": args.seed, "stop_at_eos": not args.ignore_eos,
@@ -235,6 +242,8 @@ def write_report(out: Path, raw: dict, methods: list[dict], unavailable: list[di
               "passed": True, "environment": env or environment(), "settings": settings, "methods": methods,
               "unavailable": unavailable, "errors": raw["errors"], "seconds": raw["seconds"], "records": raw["records"],
               "summary": {}, "failures": [], "files": {}}
+    if raw.get("floor"):
+        report["floor"] = raw["floor"]
     rc = _finish(report, out, validate=False)
     print(f"[bench] wrote {out / 'report.md'} and report.json ({raw['seconds'] / 60:.1f} min)", file=sys.stderr)
     if report["failures"]:

@@ -86,7 +86,7 @@ def run_bench(target, prompts: list[BenchPrompt], methods: list[Method], *, temp
 
     # warm-up: allocator, first-call overheads, lazily built drafter state
     warm_ids = target.encode_chat([{"role": "user", "content": prompts[0].turns[0]}])
-    per_call = {}
+    per_call = {}  # method -> seconds of its first call (lazy setup: kernels, cost curve, drafter state)
     for m in inter:
         for T in temperatures:
             t0 = time.perf_counter()
@@ -140,4 +140,5 @@ def run_bench(target, prompts: list[BenchPrompt], methods: list[Method], *, temp
                 ref = u["plain"] if m.reference == "plain" else ext_out.get((m.reference, *key))
                 unit = {k: v for k, v in u.items() if k != "plain"}
                 records.append(make_record(unit, m, out, u["plain"], -1, check_output(target, m, u["prompt_ids"], out, ref, T)))
-    return {"records": records, "errors": errors, "seconds": time.perf_counter() - t_start, "estimate_seconds": est}
+    return {"records": records, "errors": errors, "seconds": time.perf_counter() - t_start, "estimate_seconds": est,
+            "warmup_seconds": per_call}

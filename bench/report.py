@@ -139,6 +139,8 @@ def summarize_rows(recs: list[dict], depth: int | None) -> dict:
     # the per-step split (ms per target forward): drafting, verification (target forward + verify +
     # commit), and everything else in the loop (bookkeeping, sampling, detokenisation)
     pre, wall = _sum(recs, "prefill_seconds"), _sum(recs, "seconds")
+    # time to first token: the prefill forward yields it (interleaved methods of ours only)
+    row["ttft_s"] = _median([r.get("prefill_seconds") for r in recs])
     row["step_ms"] = None
     if fwd and dsec is not None and vsec is not None and pre is not None:
         row["step_ms"] = {"draft": 1000 * dsec / fwd, "verify": 1000 * vsec / fwd,
@@ -245,6 +247,14 @@ def to_markdown(report: dict) -> str:
               "ratio within one run's prompt): " + "; ".join(
                   f"`{p['dir']}` ({', '.join(p['categories']) or '-'}; T={', '.join(f'{t:g}' for t in p['temperatures'])}; "
                   f"commit `{p['git_commit']}`, {p['created']})" for p in report["parts"]) + ".", ""]
+    fl = report.get("floor")
+    if fl:
+        plain = next((r for tb in report["summary"].values() for n, r in tb["overall"].items()
+                      if methods.get(n, {}).get("kind") == "plain"), None)
+        ms = 1000 / plain["median_tokens_per_second"] if plain and plain["median_tokens_per_second"] else None
+        L += [f"Weight-streaming floor: {fl['read_gbs']:.1f} GB/s read bandwidth measured at {fl['threads']} thread(s), "
+              f"{fl['weight_bytes'] / 1e6:.0f} MB of weights per decode step -> {fl['floor_ms']:.1f} ms per token"
+              + (f"; plain decoding {ms:.1f} ms per token = {ms / fl['floor_ms']:.2f}x the floor." if ms else "."), ""]
     L += ["Methods run interleaved per prompt after a warm-up (plain first, the rest in a rotating order); speed-up = "
           "time per token of plain decoding / of the method on the same prompt, median over prompts. tau = new tokens "
           "per target forward (pooled). *pred.* = expected tokens per forward from the measured per-position "
@@ -276,6 +286,12 @@ def to_markdown(report: dict) -> str:
             for n, sp in split.items():
                 L.append(f"| `{n}` | {sp['draft']:.1f} | {sp['verify']:.1f} | {sp['other']:.1f} | "
                          f"{sp['draft'] + sp['verify'] + sp['other']:.1f} | {sp['prefill_s']:.2f} |")
+        warm = {m["name"]: m.get("warmup_seconds") for m in report["methods"]}
+        if any(warm.get(n) is not None or r.get("ttft_s") is not None for n, r in block["overall"].items()):
+            L += ["", f"### {tkey}: warm-up and time to first token", "",
+                  "| method | warm-up s (first call, lazy setup included) | TTFT s (median prefill) |", "|---|---|---|"]
+            for n, r in block["overall"].items():
+                L.append(f"| `{n}` | {_f(warm.get(n))} | {_f(r.get('ttft_s'), '{:.3f}')} |")
         cats = list(block["by_category"])
         names = list(block["overall"])
         L += ["", f"### {tkey}: speed-up (tau) by category", "",
