@@ -194,6 +194,16 @@ def test_tiny_bench_run_writes_valid_report_markdown_and_plots(tiny_dir, tmp_pat
     md = (out / "report.md").read_text()
     assert "## T=0: overall" in md and "## T=1: overall" in md and "speed-up (tau) by category" in md
     assert "builtin:conversation" in md and "Leviathan" in md and FAIL_MARK not in md and "per-step split" in md
+    # the weight-streaming floor and the warm-up / time-to-first-token table (issue 11's report items)
+    from specfoundry.bench.floor import streamed_weight_bytes
+
+    fl = report["floor"]
+    assert fl["weight_bytes"] == streamed_weight_bytes(load_target(str(tiny_dir), dtype=torch.float64).model)
+    assert fl["read_gbs"] > 0 and fl["floor_ms"] == pytest.approx(1000 * fl["weight_bytes"] / (fl["read_gbs"] * 1e9))
+    assert "Weight-streaming floor" in md and "x the floor" in md and "warm-up and time to first token" in md
+    warm = {m["name"]: m.get("warmup_seconds") for m in report["methods"]}
+    assert all(warm[m["name"]] > 0 for m in report["methods"] if m["interleaved"])
+    assert report["summary"]["T=0"]["overall"]["plain"]["ttft_s"] > 0
     assert report["environment"]["git_commit"] and report["environment"]["torch"] == torch.__version__
     pngs = sorted(out.glob("*.png"))
     assert [p.name for p in pngs] == ["acceptance_by_position.png", "speedup_by_category.png", "tau_vs_draft_length.png"]
