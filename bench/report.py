@@ -23,6 +23,21 @@ from specfoundry.runtime.tau import summarize_tau
 
 SCHEMA_ID = "specfoundry.bench/1"
 FAIL_MARK = '<span style="color:red">❌ FAIL</span>'
+# vLLM 0.32.0's CPU build divides the target logits by garbage at T>0 (docs/vllm-cpu-t1-bug.md):
+# its speculative rows there are not samples of the target unless the engine's own check passed
+VLLM_T1_DOC = "docs/vllm-cpu-t1-bug.md"
+VLLM_T1_OK = "expand_check ok"  # what bench/external.py writes in the method's note when it passed
+NOT_TARGET_MARK = "‡"
+
+
+def vllm_t1_caveat(method: dict, temperature: float) -> str | None:
+    """Why a row of ``method`` at ``temperature`` is not a sample of the target, or None: a
+    speculative vLLM row at T>0 whose engine did not pass its ``expand_batch_to_tokens`` check."""
+    if not str(method.get("name", "")).startswith("vllm-eagle3") or temperature <= 0:
+        return None
+    if f"T={temperature:g}: {VLLM_T1_OK}" in (method.get("note") or ""):
+        return None
+    return f"not target samples (vLLM CPU bug, see {VLLM_T1_DOC})"
 
 # a small declarative schema: key -> type (or tuple of types); nested dicts are checked recursively
 _NUM = (int, float)
@@ -164,6 +179,11 @@ def summarize(records: list[dict], methods: list[dict]) -> dict:
                 rows = [r for r in mine if f"{r['dataset']}:{r['category']}" == cat]
                 block["by_category"].setdefault(cat, {})[m["name"]] = summarize_rows(rows, depth[m["name"]])
         _add_vs_best_hf(block, recs)
+        for m in methods:
+            caveat = vllm_t1_caveat(m, T)
+            rows = [block["overall"].get(m["name"])] + [r.get(m["name"]) for r in block["by_category"].values()]
+            for row in (r for r in rows if r is not None):
+                row["caveat"] = caveat
         out[f"T={T:g}"] = block
     return out
 
@@ -273,7 +293,7 @@ def to_markdown(report: dict) -> str:
             m = methods[name]
             lev = f"{row['leviathan_tau']:.2f} ({row['alpha']:.2f})" if row["leviathan_tau"] is not None else "-"
             kk = f"{m['draft_depth']} / {row['best_k']}" if row["best_k"] else _f(m.get("draft_depth"), "{}")
-            name_cell = f"`{name}`" + ("" if m["interleaved"] else " †")
+            name_cell = f"`{name}`" + ("" if m["interleaved"] else " †") + (f" {NOT_TARGET_MARK}" if row.get("caveat") else "")
             L.append(f"| {name_cell} | {_f(row['median_tokens_per_second'], '{:.1f}')} | {_f(row['median_seconds'])} | "
                      f"{_f(row['median_speed_up'], '{:.2f}x')} | {_f(row.get('median_speed_up_vs_best_hf'), '{:.2f}x')} | "
                      f"{_f(row['tau'])} | {_f(row['expected_tau'])} | {lev} | {kk} | "
@@ -309,6 +329,9 @@ def to_markdown(report: dict) -> str:
         L.append(f"- `{m['name']}`: {m['label']}" + (f" ({m['note']})" if m.get("note") else ""))
     if any(not m["interleaved"] for m in report["methods"]):
         L.append("- † not interleaved: a separate engine process run after the interleaved loop on the same prompt ids")
+    caveats = sorted({(t, r["caveat"]) for t, b in report["summary"].items() for r in b["overall"].values() if r.get("caveat")})
+    for tkey, caveat in caveats:
+        L.append(f"- {NOT_TARGET_MARK} ({tkey}) {caveat}: its tau, acceptance and outputs measure vLLM's bug, not our head")
     for u in report["unavailable"]:
         L.append(f"- `{u['name']}`: {u['reason']}")
     for e in report["errors"]:

@@ -3,9 +3,12 @@
     python vllm_peer.py <request.json> <result.json>
 
 request: ``{"model", "dtype", "prompts": [[ids]], "max_tokens", "temperature", "seeds", "ignore_eos",
-"max_model_len", optional "speculator", "method", "k"}``. One warm-up generation, then each
-prompt alone (batch 1), timed; per-prompt spec-decode counters from vLLM's metrics. result:
-``{"results": [{"token_ids", "seconds", "stats"}], "startup_seconds", "version"}`` or ``{"error"}``.
+"max_model_len", optional "speculator", "method", "k", "draft_sample_method", "speculative_extra",
+"fix_expand"}`` (see :func:`peer_common.vllm_engine`). One warm-up generation, then each prompt
+alone (batch 1), timed; per-prompt spec-decode counters from vLLM's metrics. result:
+``{"results": [{"token_ids", "seconds", "stats"}], "startup_seconds", "version", "expand_check",
+"fix_applied"}`` or ``{"error"}``. ``expand_check.ok`` false: at T>0 this engine divided the target
+logits by garbage (``docs/vllm-cpu-t1-bug.md``), so its speculative outputs are not target samples.
 """
 
 import sys
@@ -32,7 +35,7 @@ def work(req: dict, result: dict) -> None:
     llm.generate([TokensPrompt(prompt_token_ids=list(req["prompts"][0]))], params(0), use_tqdm=False)  # warm-up
     rows = []
     for ids, seed in zip(req["prompts"], req["seeds"]):
-        before = spec_decode_counters(llm) if req.get("speculator") else None
+        before = spec_decode_counters(llm) if (req.get("speculator") or req.get("method")) else None
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], params(int(seed)), use_tqdm=False)
         seconds = time.perf_counter() - t0
