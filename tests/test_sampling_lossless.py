@@ -93,11 +93,20 @@ def _cases(target):
     if "medusa" in available_drafters():
         cases.append(("medusa static tree T=0.8 top-p 0.95", load_drafter("medusa", target=target),
                       dict(max_depth=2, max_nodes=6), SamplingParams(0.8, top_p=0.95)))
+        # reduced, permuted draft vocabulary: q over the draft ids scattered into the target's
+        from specfoundry.runtime.drafters.medusa import MedusaDrafter
+        from specfoundry.runtime.speculators import MedusaHeads
+
+        heads = MedusaHeads.from_target(target, num_heads=2, draft_token_ids=[4, 1, 3])
+        cases.append(("medusa reduced vocab T=1", MedusaDrafter(heads, choices=[[0], [1], [0, 0], [0, 1], [1, 0]]),
+                      dict(max_depth=2, max_nodes=6),
+                      SamplingParams(1.0)))
     return cases
 
 
 CASE_NAMES = ["draft-chain T=1", "draft-chain T=0.7 top-p 0.9", "ngram deterministic T=1.3 top-k 4", "plain T=0.9 top-p 0.9",
-              "eagle3 dynamic tree T=1", "eagle3 reduced vocab T=1", "medusa static tree T=0.8 top-p 0.95"]
+              "eagle3 dynamic tree T=1", "eagle3 reduced vocab T=1", "medusa static tree T=0.8 top-p 0.95",
+              "medusa reduced vocab T=1"]
 
 
 @pytest.mark.parametrize("case", CASE_NAMES)

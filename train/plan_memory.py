@@ -93,9 +93,11 @@ def speculator_size(recipe: Recipe, target: Architecture) -> SpeculatorSize:
         n = 2 * H * H + H + s.num_layers * layer
         return SpeculatorSize(f"EAGLE-1 head: {s.num_layers} layer(s)", n, n, layer)
     if isinstance(s, MedusaSpeculator):
-        per_head = s.num_layers * (H * H + H) + H * A.vocab_size
+        Vd = min(s.draft_vocab_size or A.vocab_size, A.vocab_size)
+        per_head = s.num_layers * (H * H + H) + H * Vd
         heads = s.num_heads * per_head
-        desc = f"Medusa heads: {s.num_heads} x ({s.num_layers} block(s) + own LM head)"
+        desc = f"Medusa heads: {s.num_heads} x ({s.num_layers} block(s) + own LM head" \
+            + (f" over a {Vd}-token draft vocabulary)" if Vd < A.vocab_size else ")")
         if isinstance(s, Medusa2Speculator) and s.lora is not None:
             shapes = A.linear_shapes()
             lora = A.num_layers * sum(s.lora.r * (i + o) for m, (i, o) in shapes.items() if m in s.lora.target_modules)
@@ -125,6 +127,8 @@ def architecture_problems(recipe: Recipe, target: Architecture) -> list[tuple[st
             out.append(("target.feature_layers", f"{bad} outside [0, {L}] (hidden_states indices of a {L}-layer target)"))
         if recipe.method in ("eagle", "medusa1", "medusa2") and fl != [L]:
             out.append(("target.feature_layers", f"{recipe.method} reads the final normed state: [{L}], got {fl}"))
+    if isinstance(s, MedusaSpeculator) and (s.draft_vocab_size or 0) > target.vocab_size:
+        out.append(("speculator.draft_vocab_size", f"{s.draft_vocab_size} exceeds the target vocabulary {target.vocab_size}"))
     if isinstance(s, Eagle3Speculator) and s.draft_vocab_size > target.vocab_size:
         out.append(("speculator.draft_vocab_size", f"{s.draft_vocab_size} exceeds the target vocabulary {target.vocab_size}"))
     if isinstance(s, (Eagle3Speculator, EagleSpeculator)) and s.init_from_target_layer is not None \

@@ -105,6 +105,9 @@ class MedusaSpeculator(_Section):
     num_heads: int = Field(4, ge=1)
     # residual blocks per head
     num_layers: int = Field(1, ge=1)
+    # each head's LM head over the N most frequent target tokens of the training data (EAGLE-3's
+    # draft vocabulary; the d2t map is saved with the heads); None = the full vocabulary (Medusa's)
+    draft_vocab_size: int | None = Field(None, ge=1)
     # static tree as paths of per-head ranks, e.g. [[0], [0, 0], [1]]; must be prefix-closed.
     # None = the runtime's default tree (runtime.speculators.medusa.default_medusa_choices)
     choices: list[list[int]] | None = None

@@ -122,13 +122,20 @@ def build_method(recipe, target, train_ds):
         if spec.init_from_target_layer is not None:
             init_layer_from_target(head, target, spec.init_from_target_layer)
         return head, Eagle1Method(head, ce_weight=spec.token_loss_weight / max(spec.feature_loss_weight, 1e-9))
+    if recipe.method in ("medusa1", "medusa2"):
+        # a reduced vocabulary (speculator.draft_vocab_size): the training data's most frequent tokens
+        if (spec.draft_vocab_size or 0) > target.vocab_size:
+            raise ValueError(f"speculator.draft_vocab_size {spec.draft_vocab_size} exceeds the target vocabulary "
+                             f"{target.vocab_size}")
+        vocab = None if spec.draft_vocab_size is None or spec.draft_vocab_size == target.vocab_size else \
+            draft_vocabulary(train_ds, spec.draft_vocab_size, target.vocab_size)
+        heads = MedusaHeads.from_target(target, seed=tr.seed, num_heads=spec.num_heads, num_layers=spec.num_layers,
+                                        draft_token_ids=vocab).float()
     if recipe.method == "medusa1":
-        head = MedusaHeads.from_target(target, seed=tr.seed, num_heads=spec.num_heads, num_layers=spec.num_layers).float()
-        return head, MedusaMethod(head, target.lm_head, position_decay=tr.position_weight_decay)
+        return heads, MedusaMethod(heads, target.lm_head, position_decay=tr.position_weight_decay)
     if recipe.method == "medusa2":
         from .methods.medusa2 import lora_backbone
 
-        heads = MedusaHeads.from_target(target, seed=tr.seed, num_heads=spec.num_heads, num_layers=spec.num_layers).float()
         return heads, Medusa2Method(lora_backbone(target, spec.lora), heads, target.lm_head,
                                     position_decay=tr.position_weight_decay, heads_loss_weight=spec.heads_loss_weight,
                                     heads_warmup_steps=spec.heads_warmup_steps)

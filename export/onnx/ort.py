@@ -339,6 +339,17 @@ class OrtMedusaHeads(MedusaHeads):
         self.architecture = dict(self.meta["architecture"])
         self.target_identity = self.meta.get("target")
         self._np_dtype = _np_dtype(self.meta)
+        d2t = self.meta.get("d2t")  # reduced-vocabulary heads: draft id -> target id
+        self._d2t = None if d2t is None else torch.tensor(d2t, dtype=torch.long)
+        Vd = self.architecture.get("draft_vocab_size", self.architecture["vocab_size"])
+        if (Vd < self.architecture["vocab_size"]) != (self._d2t is not None) or (
+                self._d2t is not None and MedusaHeads.tensor_problems({"d2t": self._d2t}, self.architecture)) or (
+                self._d2t is not None and self._d2t.numel() != Vd):
+            raise ValueError(f"{path}: the draft vocabulary map (d2t) does not fit draft_vocab_size {Vd}")
+
+    @property
+    def draft_to_target(self):
+        return self._d2t
 
     @property
     def dtype(self) -> torch.dtype:

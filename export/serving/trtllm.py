@@ -155,6 +155,10 @@ def export_trtllm(head, target, out_dir, *, medusa_choices=None, include_target:
     """
     kind = kind_of(head)
     if kind == "medusa":
+        if head.draft_to_target is not None:  # TRT-LLM's Medusa lm_heads cover the whole vocabulary
+            return skipped(FORMAT, kind, f"TensorRT-LLM's Medusa checkpoint has no draft-vocabulary map; these heads cover "
+                                         f"{head.draft_vocab_size} of {head.architecture['vocab_size']} tokens "
+                                         "(train with speculator.draft_vocab_size unset for this format)")
         return _export_medusa(head, target, out_dir, medusa_choices, include_target, dtype)
     if kind == "eagle":
         why = eagle_layout_problem(head, target, "TensorRT-LLM")

@@ -15,6 +15,12 @@ Sampling mode: a node's children (fixed in number by the static tree) are drawn 
 from ``q_d = probs_from_logits(head_{d-1} logits)`` without replacement and ``Draft.q`` records
 each one's distribution; children beyond the support of ``q_d`` are left out (with their
 subtrees) before anything is drawn.
+
+Reduced-vocabulary heads (``draft_vocab_size`` < the target's vocabulary, see
+:class:`~specfoundry.runtime.speculators.MedusaHeads`): ranks are taken over the draft ids and
+mapped to target ids through ``d2t``; in sampling mode ``q_d`` is computed over the draft ids
+and scattered into the target vocabulary (zero outside the draft vocabulary) before anything is
+drawn, so every token and every ``Draft.q`` row is in target ids and verification is unchanged.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ class MedusaDrafter(Drafter):
             raise ValueError(f"medusa choices give {len(choices) + 1} tree nodes, more than the limit {MAX_DRAFT_NODES}")
         if any(not c or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in c) for c in choices):
             raise ValueError("medusa choices must be non-empty lists of non-negative integer ranks")
-        V = heads.architecture["vocab_size"]
+        V = heads.draft_vocab_size
         if any(r >= V for c in choices for r in c):
             raise ValueError(f"medusa choices hold a rank beyond the heads' vocabulary of {V} tokens")
         too_deep = [c for c in choices if len(c) > K]
@@ -97,12 +103,19 @@ class MedusaDrafter(Drafter):
             top = logits.topk(int(ranks.max()) + 1, dim=-1).indices  # [K, R]
             d = depths.to(dev)
             tokens = top[(d - 1).clamp(min=0), ranks]
+            d2t = self.heads.draft_to_target
+            if d2t is not None:  # draft ids -> target ids
+                tokens = d2t.to(dev)[tokens]
             tokens[0] = root[0]
             return Draft(tokens.view(1, -1), parents.view(1, -1).to(dev))
         return self._sample(root, logits, parents, depths, ctx)
 
     def _sample(self, root, logits, parents, depths, ctx: DraftContext) -> Draft:
-        q_depth = probs_from_logits(logits, ctx.sampling)  # [K, V]
+        q_depth = probs_from_logits(logits, ctx.sampling)  # [K, V] (draft ids with a reduced vocabulary)
+        d2t = self.heads.draft_to_target
+        if d2t is not None:  # into the target vocabulary, where verification compares q with p
+            V = self.heads.architecture["vocab_size"]
+            q_depth = q_depth.new_zeros(q_depth.shape[0], V).index_copy_(1, d2t.to(q_depth.device), q_depth)
         support = (q_depth > 0).sum(-1).tolist()
         N = parents.shape[0]
         par = parents.tolist()

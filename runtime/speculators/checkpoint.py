@@ -149,7 +149,8 @@ def validate_config(cfg, file=CONFIG_NAME, target=None) -> dict:
     if kind not in registry:
         raise CheckpointError(file, "speculator_type", f"unknown type {kind!r} (known: {', '.join(sorted(registry))})")
     cls = registry[kind]
-    _check_fields(cfg["architecture"], cls.ARCHITECTURE_SCHEMA, file, prefix="architecture.")
+    _check_fields(cfg["architecture"], cls.ARCHITECTURE_SCHEMA, file, prefix="architecture.",
+                  optional=getattr(cls, "ARCHITECTURE_OPTIONAL", frozenset()))
     _check_fields(cfg["target"], _TARGET_SCHEMA, file, prefix="target.")
     for key, problem in cls.architecture_problems(cfg["architecture"], target):
         raise CheckpointError(file, "architecture." + key, problem)

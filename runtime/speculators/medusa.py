@@ -11,6 +11,15 @@ steps after the root. Each head is ``num_layers`` residual blocks ``x + SiLU(Lin
 followed by its own ``lm_head`` (initialised from the target's, trained and stored, as in
 Medusa-1). The blocks' linear layers start at zero (as in Medusa), so an untrained head is the
 target's ``lm_head``.
+
+Reduced vocabulary (optional ``draft_vocab_size`` < ``vocab_size``, as EAGLE-3's draft
+vocabulary): every head's ``lm_head`` covers only ``draft_vocab_size`` target tokens, listed by
+the ``d2t`` buffer (draft id -> absolute target id, distinct, stored in the checkpoint and
+validated on load) with ``t2d`` the mask of those ids over the target vocabulary. The heads then
+return logits over the draft ids; the drafter maps them to target ids (and a sampled draft's
+``q`` to a distribution over the whole target vocabulary, zero outside the draft vocabulary).
+Without ``draft_vocab_size`` (older checkpoints) or with it equal to ``vocab_size`` the heads
+are Medusa's original full-vocabulary ones and hold no map.
 """
 
 from __future__ import annotations
@@ -52,18 +61,26 @@ class MedusaHeads(nn.Module):
         "num_heads": int,  # K
         "num_layers": int,  # residual blocks per head
         "feature_layers": ("list", int),
+        "draft_vocab_size": int,  # optional: each head's lm_head over this many target tokens (d2t)
     }
+    ARCHITECTURE_OPTIONAL: ClassVar[frozenset] = frozenset({"draft_vocab_size"})
 
     def __init__(self, architecture: dict):
         super().__init__()
         self.architecture = copy.deepcopy(dict(architecture))
         a = self.architecture
         H, V = a["hidden_size"], a["vocab_size"]
+        Vd = a.get("draft_vocab_size", V)
         # one distinct module per block and per head: `[ResBlock(H)] * n` would share one block
         self.heads = nn.ModuleList(
-            nn.Sequential(*[ResBlock(H) for _ in range(a["num_layers"])], nn.Linear(H, V, bias=False))
+            nn.Sequential(*[ResBlock(H) for _ in range(a["num_layers"])], nn.Linear(H, Vd, bias=False))
             for _ in range(a["num_heads"])
         )
+        if Vd < V:  # persistent buffers: saved in the checkpoint, never cast by .to(dtype)
+            self.register_buffer("d2t", torch.arange(Vd, dtype=torch.long))
+            t2d = torch.zeros(V, dtype=torch.bool)
+            t2d[:Vd] = True
+            self.register_buffer("t2d", t2d)
         self.target_identity: dict | None = None
 
     @property
@@ -75,6 +92,41 @@ class MedusaHeads(nn.Module):
         return tuple(self.architecture["feature_layers"])
 
     @property
+    def draft_vocab_size(self) -> int:
+        """Rows of each head's ``lm_head`` (the target's vocabulary size for full-vocabulary heads)."""
+        return self.architecture.get("draft_vocab_size", self.architecture["vocab_size"])
+
+    @property
+    def draft_to_target(self) -> torch.Tensor | None:
+        """``[draft_vocab_size]`` long target ids, or None for full-vocabulary heads."""
+        return getattr(self, "d2t", None)
+
+    def set_draft_vocab(self, token_ids) -> None:
+        """Set the reduced vocabulary: ``token_ids`` (target ids, distinct, ``draft_vocab_size`` of
+        them). The heads' ``lm_head`` rows are not touched (see :meth:`from_target`)."""
+        if self.draft_to_target is None:
+            raise ValueError("these Medusa heads cover the full vocabulary (no draft_vocab_size): nothing to map")
+        ids = torch.as_tensor(token_ids, dtype=torch.long).view(-1).to(self.d2t.device)
+        V = self.architecture["vocab_size"]
+        if ids.numel() != self.draft_vocab_size:
+            raise ValueError(f"need {self.draft_vocab_size} draft token ids, got {ids.numel()}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
+            raise ValueError(f"draft token ids must lie in [0, {V})")
+        if ids.unique().numel() != ids.numel():
+            raise ValueError("draft token ids must be distinct")
+        self.d2t.copy_(ids)
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    @classmethod
+    def tensor_problems(cls, tensors: dict, arch: dict | None) -> list[tuple[str, str]]:
+        """Index integrity of the reduced vocabulary (as EAGLE-3's): ``d2t`` distinct integer
+        target ids in ``[0, vocab_size)``, ``t2d`` the mask of exactly those ids."""
+        from .eagle import Eagle3Head
+
+        return Eagle3Head.tensor_problems(tensors, arch)
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.heads[0][-1].weight.dtype
 
@@ -83,7 +135,8 @@ class MedusaHeads(nn.Module):
         return self.heads[0][-1].weight.device
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` ``[..., H]`` (target feature ``L``) -> logits ``[..., K, V]``."""
+        """``hidden`` ``[..., H]`` (target feature ``L``) -> logits ``[..., K, draft_vocab_size]``
+        (over the draft ids ``d2t`` lists when the vocabulary is reduced)."""
         hidden = hidden.to(self.device, self.dtype)
         return torch.stack([head(hidden) for head in self.heads], dim=-2)
 
@@ -100,6 +153,9 @@ class MedusaHeads(nn.Module):
             out.append(("num_heads", f"must be <= {MAX_DRAFT_DEPTH} (the deepest draft), got {arch['num_heads']}"))
         if arch["num_layers"] > MAX_HEAD_LAYERS:
             out.append(("num_layers", f"must be <= {MAX_HEAD_LAYERS}, got {arch['num_layers']}"))
+        if "draft_vocab_size" in arch and not 1 <= arch["draft_vocab_size"] <= arch["vocab_size"]:
+            out.append(("draft_vocab_size",
+                        f"must be in [1, vocab_size={arch['vocab_size']}], got {arch['draft_vocab_size']}"))
         if len(arch["feature_layers"]) != 1:
             out.append(("feature_layers", f"Medusa reads exactly one feature layer, got {arch['feature_layers']}"))
         if target is not None:
@@ -125,11 +181,17 @@ class MedusaHeads(nn.Module):
         return heads
 
     @classmethod
-    def from_target(cls, target, seed: int | None = 0, **architecture) -> "MedusaHeads":
-        """Random-init heads for ``target`` (defaults: 4 heads, 1 block each); every head's
-        ``lm_head`` starts as a copy of the target's."""
+    def from_target(cls, target, seed: int | None = 0, draft_token_ids=None, **architecture) -> "MedusaHeads":
+        """Random-init heads for ``target`` (defaults: 4 heads, 1 block each, full vocabulary);
+        every head's ``lm_head`` starts as a copy of the target's (its ``d2t`` rows with a
+        reduced vocabulary: ``draft_vocab_size``, and ``draft_token_ids`` the target ids it
+        covers, default the first ``draft_vocab_size`` ids)."""
+        if draft_token_ids is not None and architecture.get("draft_vocab_size") is None:
+            architecture = {**architecture, "draft_vocab_size": len(draft_token_ids)}
+        if architecture.get("draft_vocab_size", 0) is None:
+            architecture.pop("draft_vocab_size")
         arch = cls.default_architecture(target)
-        unknown = sorted(set(architecture) - set(arch))
+        unknown = sorted(set(architecture) - set(arch) - cls.ARCHITECTURE_OPTIONAL)
         if unknown:
             raise ValueError(f"unknown medusa architecture option(s) {unknown}; allowed: {sorted(arch)}")
         arch.update(copy.deepcopy(architecture))
@@ -139,7 +201,11 @@ class MedusaHeads(nn.Module):
         with seeded_init(seed):
             heads = cls.build(arch, target)
         heads = heads.to(target.device, target.dtype)  # copy the target's lm_head at full precision
+        if draft_token_ids is not None:
+            heads.set_draft_vocab(draft_token_ids)
         w = target.lm_head.weight.detach()
+        if heads.draft_to_target is not None:
+            w = w[heads.draft_to_target.to(w.device)]
         with torch.no_grad():
             for head in heads.heads:
                 head[-1].weight.copy_(w)

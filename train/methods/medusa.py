@@ -1,7 +1,12 @@
 """Medusa-1 training (frozen backbone): head ``k`` on the target's final normed hidden state of
 token ``t`` learns the target's distribution of token ``t + 2 + k`` (the target's own LM head
 gives ``t + 1``), soft cross-entropy weighted ``decay**k``. :meth:`MedusaMethod.head_losses`
-is also Medusa-2's heads term (there the heads read the trained backbone's states)."""
+is also Medusa-2's heads term (there the heads read the trained backbone's states).
+
+Reduced-vocabulary heads (``draft_vocab_size``, ``heads.draft_to_target`` set): as EAGLE-3's,
+the label is the target's distribution restricted to the draft vocabulary (its logits over the
+``d2t`` rows of the target's LM head, renormalised), so neither side ever materialises the full
+vocabulary."""
 
 from __future__ import annotations
 
@@ -23,13 +28,17 @@ class MedusaMethod(torch.nn.Module):
         L = h.shape[1]
         logits = self.heads(h)  # [B, L, K, V]
         lm = self._lm["head"]
+        w = lm.weight.detach()
+        d2t = self.heads.draft_to_target
+        if d2t is not None:  # the target's LM head rows of the draft vocabulary
+            w = w[d2t.to(w.device)]
         total, metrics, acc = 0.0, {}, []
         for k in range(self.heads.num_heads):
             n = L - 2 - k  # tokens t whose target t+2+k exists
             if n < 1:
                 break
             with torch.no_grad():
-                p = torch.softmax(lm(label_hidden[:, 1 + k : 1 + k + n].to(lm.weight.dtype)).float(), dim=-1)
+                p = torch.softmax((label_hidden[:, 1 + k : 1 + k + n].to(w.dtype) @ w.T).float(), dim=-1)
             loss_k, agree = soft_ce(logits[:, :n, k], p, valid[:, 2 + k : 2 + k + n])
             total = total + (self.decay**k) * loss_k
             metrics[f"loss/head{k}"] = float(loss_k.detach())
