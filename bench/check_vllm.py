@@ -226,7 +226,8 @@ def run(args) -> int:
     from specfoundry.runtime.models import builtin_model_dir
     from specfoundry.runtime.speculators import Eagle3Head, load_speculator, save_speculator
 
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    # our runtime's threads: OMP_NUM_THREADS where set (a shared machine), else up to 2
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1))))
     target = load_target("smollm2-135m", dtype=torch.float32)
     model_dir = builtin_model_dir("smollm2-135m")
     spec_dir = Path(args.speculator) if args.speculator else (
