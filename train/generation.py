@@ -10,10 +10,9 @@ Scope:
 - :func:`generate_batched`: batched generation with a frozen target (left padding, finished
   rows dropped from the batch, greedy or temperature/top-k/top-p sampling) on the runtime's
   engine (:class:`~specfoundry.runtime.engine.LlamaEngine`: static cache, padding masked per row)
-  where the target decodes on it, else the HF model. Its sampler draws from exactly the
-  distribution of :func:`specfoundry.runtime.sampling.probs_from_logits` (same temperature, top-k
-  and top-p rule; ``tests/test_train_data.py`` checks the two agree) without a full-vocabulary
-  sort per step, which batched data generation cannot afford on a CPU (numbers at :func:`_sample`).
+  where the target decodes on it, else the HF model. Tokens are drawn by the runtime's batched
+  sampler (:func:`specfoundry.runtime.sampling.sample_batch`: the distribution of
+  :func:`~specfoundry.runtime.sampling.probs_from_logits` without a full-vocabulary sort per step).
 - :func:`self_distill`: the target answers every prompt; results are cached chunk by chunk
   (:func:`~specfoundry.train.datacache.cached_chunks`), so a killed run resumes.
 
@@ -31,6 +30,7 @@ from typing import Sequence
 import torch
 
 from specfoundry.runtime.chat import encode_chat, encode_text
+from specfoundry.runtime.sampling import SamplingParams, sample_batch
 
 from .datacache import ChunkReport, GenStats, cached_chunks, dtype_name, model_fingerprint, resolve_dtype, stable_hash
 from .logs import stderr_logger
@@ -188,50 +188,6 @@ def generation_model(target, dtype):
     return eng
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
-            generator: torch.Generator | None) -> torch.Tensor:
-    """Next tokens ``[B]`` from ``logits`` ``[B, V]`` (float32); temperature 0 = greedy."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    logits = logits / temperature
-    if top_k and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p >= 1.0:
-        return _inverse_cdf(probs, generator)
-    # Nucleus sampling without a full-vocabulary sort (measured at batch 48 x 49k vocab, one CPU
-    # thread: sort ~150 ms, top-64 ~3 ms, top-1024 ~18 ms, vs ~100 ms for a model step). Exact:
-    # when a row's top-k candidates hold >= top_p of the mass its nucleus lies inside them; rows
-    # where they do not move on to a larger k, and finally to the full sort.
-    B, V = probs.shape
-    out = torch.empty(B, dtype=torch.long, device=probs.device)
-    rows = torch.arange(B, device=probs.device)
-    for k in (64, 1024, V):
-        k = min(k, V)
-        sub = probs[rows]
-        sp, si = sub.topk(k, dim=-1) if k < V else sub.sort(dim=-1, descending=True)
-        ok = sp.sum(-1) >= top_p if k < V else torch.ones(len(rows), dtype=torch.bool, device=probs.device)
-        if bool(ok.any()):
-            keep = sp[ok]
-            # drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
-            keep = keep.masked_fill((keep.cumsum(-1) - keep) >= top_p, 0.0)
-            out[rows[ok]] = si[ok].gather(-1, _inverse_cdf(keep, generator)[:, None]).squeeze(-1)
-        rows = rows[~ok]
-        if rows.numel() == 0:
-            break
-    return out
-
-
-def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One sample per row of non-negative ``weights`` ``[B, K]`` (need not sum to 1), by one
-    uniform draw per row against the running sum: ``torch.multinomial`` over a 49k vocabulary
-    at batch 48 took ~65 ms per step on one CPU thread, this takes a few."""
-    cdf = weights.cumsum(-1)
-    u = torch.rand(weights.shape[0], 1, generator=generator, device=weights.device, dtype=cdf.dtype) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=weights.shape[-1] - 1).squeeze(-1)
-
-
 def _device(model) -> torch.device:
     """Where a generation model (an engine or a HF model) runs."""
     from specfoundry.runtime.engine import LlamaEngine
@@ -240,8 +196,8 @@ def _device(model) -> torch.device:
 
 
 @torch.no_grad()
-def _generate_one_batch(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float,
-                        top_k: int, stop_ids: Sequence[int], min_new_tokens: int, pad_id: int,
+def _generate_one_batch(model, prompts: list[list[int]], *, max_new_tokens: int, params: SamplingParams,
+                        stop_ids: Sequence[int], min_new_tokens: int, pad_id: int,
                         generator: torch.Generator | None) -> tuple[list[list[int]], list[bool]]:
     from transformers import DynamicCache
 
@@ -287,7 +243,7 @@ def _generate_one_batch(model, prompts: list[list[int]], *, max_new_tokens: int,
         logits = logits.float()
         if step < min_new_tokens and stop.numel():
             logits[:, stop] = float("-inf")
-        tok = _sample(logits, temperature, top_p, top_k, generator)
+        tok = sample_batch(logits, params, generator)
         tok_list = tok.tolist()
         for row, t in zip(active.tolist(), tok_list):
             gen[row].append(t)
@@ -330,6 +286,7 @@ def generate_batched(model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: every prompt needs at least one token")
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+    params = SamplingParams(temperature, top_k or None, top_p)  # top_k 0: no top-k cut
     g = torch.Generator(device=_device(model)).manual_seed(int(seed)) if temperature > 0 else None
     results: list[list[int] | None] = [None] * len(prompts)
     fin: list[bool] = [False] * len(prompts)
@@ -340,8 +297,8 @@ def generate_batched(model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     for b in range(0, len(order), batch_size):
         idx = order[b:b + batch_size]
         gen, done = _generate_one_batch(model, [prompts[i] for i in idx], max_new_tokens=max_new_tokens,
-                                        temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stop_ids,
-                                        min_new_tokens=min_new_tokens, pad_id=pad_id, generator=g)
+                                        params=params, stop_ids=stop_ids, min_new_tokens=min_new_tokens,
+                                        pad_id=pad_id, generator=g)
         for i, ids, d in zip(idx, gen, done):
             results[i], fin[i] = ids, d
             local.prompt_tokens += len(prompts[i])
