@@ -43,6 +43,23 @@ def test_atomic_write_text_replaces_whole_files(tmp_path):
     assert p.read_text() == "two" and [x.name for x in p.parent.iterdir()] == ["run.json"]
 
 
+def test_atomic_file_and_replace_dir_swap_whole_versions(tmp_path):
+    p = tmp_path / "shard.bin"
+    with atomic.atomic_file(p) as tmp:
+        tmp.write_bytes(b"old")
+        assert not p.exists()  # visible only once the block succeeds
+    with pytest.raises(RuntimeError), atomic.atomic_file(p) as tmp:
+        tmp.write_bytes(b"ne")
+        raise RuntimeError("killed mid-write")
+    assert p.read_bytes() == b"old" and [x.name for x in tmp_path.iterdir()] == ["shard.bin"]
+
+    dst, src = tmp_path / "step-1", tmp_path / ".tmp-step-1"
+    for d, text in ((dst, "old"), (src, "new")):
+        d.mkdir()
+        (d / "state.json").write_text(text)
+    assert atomic.replace_dir(src, dst) == dst
+    assert (dst / "state.json").read_text() == "new" and sorted(x.name for x in tmp_path.iterdir()) == ["shard.bin", "step-1"]
+
 
 def test_dead_tree_mask_alias_is_gone():
     assert not hasattr(tree, "tree_attention_mask") and hasattr(tree, "ancestor_matrix")

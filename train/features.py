@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import weakref
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 import torch
+
+from specfoundry.runtime.atomic import atomic_file, atomic_write_text
 
 from .data import dtype_name, model_fingerprint, resolve_dtype, stable_hash
 
@@ -71,10 +71,7 @@ def _example_id(row: dict, index: int) -> int:
 
 
 def _atomic_write_json(path: Path, obj) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj, indent=1))
 
 
 def batch_order(n: int, batch_size: int, *, seed: int, epoch: int, shuffle: bool = True,
@@ -266,10 +263,8 @@ class HiddenStateSource:
                 lengths.append(f.shape[0])
             name = f"shard-{s:05d}.safetensors"
             tensors = {"features": torch.cat(feats).contiguous(), "last_hidden": torch.cat(lasts).contiguous()}
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-shard-", suffix=".safetensors", dir=self.cache_dir)
-            os.close(fd)
-            save_file(tensors, tmp, metadata={"format": FORMAT, "target": header["target"]["weights"]})
-            os.replace(tmp, self.cache_dir / name)  # a shard exists only once complete
+            with atomic_file(self.cache_dir / name) as tmp:  # a shard exists only once complete
+                save_file(tensors, tmp, metadata={"format": FORMAT, "target": header["target"]["weights"]})
             offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
             manifest["shards"][str(s)] = {
                 "file": name, "example_ids": ids, "lengths": lengths, "offsets": [int(o) for o in offsets],

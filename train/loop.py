@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import shutil
 import time
@@ -34,6 +33,8 @@ from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm
+
+from specfoundry.runtime.atomic import atomic_write_text, replace_dir
 
 
 @dataclass
@@ -166,11 +167,7 @@ def claim_run_dir(run_dir, *, resume: bool, overwrite: bool) -> str:
         for p in list(run_dir.iterdir()):
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
-    rid = uuid.uuid4().hex
-    tmp = run_dir / f".{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps({"run_id": rid, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
-    os.replace(tmp, run_dir / RUN_FILE)
-    return rid
+    return _record_run_id(run_dir, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
 def _nonfinite(tensors) -> str | None:
@@ -301,9 +298,9 @@ def _save_checkpoint(accelerator, run_dir: Path, state: dict, keep: int) -> Path
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)  # atomic: a checkpoint directory is complete or absent
+        # atomic: a checkpoint directory is complete or absent. Every process wrote into ``tmp``, a
+        # name they all know, hence the swap alone rather than atomic_dir's own temporary directory
+        replace_dir(tmp, final)
         # prune only this run's checkpoints (a run directory holds no other run's: see claim_run_dir)
         ours = [c for c in sorted(ckpt_root.glob("step-*")) if (_run_id_of(c) or "") == (state.get("run_id") or "")]
         for old in ours[:-keep] if keep > 0 else []:
@@ -312,10 +309,10 @@ def _save_checkpoint(accelerator, run_dir: Path, state: dict, keep: int) -> Path
     return final
 
 
-def _record_run_id(run_dir: Path) -> str:
-    """Record a new run id in ``run_dir`` (for callers that did not :func:`claim_run_dir`)."""
+def _record_run_id(run_dir: Path, **extra) -> str:
+    """Record a new run id (and ``extra`` fields) in ``run_dir``'s ``run.json``; returns the id."""
     rid = uuid.uuid4().hex
-    (run_dir / RUN_FILE).write_text(json.dumps({"run_id": rid}))
+    atomic_write_text(run_dir / RUN_FILE, json.dumps({"run_id": rid, **extra}))
     return rid
 
 
