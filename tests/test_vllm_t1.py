@@ -208,3 +208,37 @@ def test_check_vllm_is_a_cli_command():
 
     args = build_parser().parse_args(["check-vllm", "--recipe", "r", "--k", "2", "--temperature", "1", "--no-shipped"])
     assert args.command == "check-vllm" and args.k == 2 and args.no_shipped and callable(args.func)
+
+
+@pytest.mark.parametrize("engine_ok", [False, True])
+def test_bench_vllm_peer_writes_the_engine_check_into_its_note(monkeypatch, tmp_path, engine_ok):
+    # the bench's vllm-eagle3 peer: the engine process reports its expand_batch_to_tokens check,
+    # and the method's note says so, which decides the row's mark (a fixed vLLM loses the mark)
+    import specfoundry.bench.external as external
+    import specfoundry.export.serving as serving
+    import specfoundry.runtime.models as models
+    import specfoundry.runtime.speculators as speculators
+
+    monkeypatch.setattr(serving, "export_vllm", lambda *a, **k: {"status": "written"})
+    monkeypatch.setattr(speculators, "load_speculator", lambda *a, **k: object())
+    monkeypatch.setattr(models, "resolve_target_path", lambda s: (tmp_path, None))
+    check = {"input": dict(repro.CASE), "expected": [0.7] * 2 + [1.0] * 4, "ok": engine_ok,
+             "observed": [0.7] * 2 + [1.0] * 4 if engine_ok else [1e-43, 0.0, 7e-44, 0.0, 0.0, 0.0]}
+    requests = []
+
+    def fake_engine(python, script, request, work, name, timeout=None):
+        requests.append(request)
+        return {"expand_check": check, "results": [{"token_ids": [5, 6], "seconds": 0.5, "stats": None}]}
+
+    monkeypatch.setattr(external, "_run_engine", fake_engine)
+    target = types.SimpleNamespace(dtype=torch.float32)
+    source = types.SimpleNamespace(path=tmp_path, run="runs/x")
+    m = external.external_method("vllm-eagle3", 3, target, "smollm2-135m", tmp_path, source)
+    assert vllm_t1_caveat(m.describe(), 1.0) is not None  # before any run: marked
+    m.batch_runner([[1, 2, 3]], 2, 0.0, [0], True)
+    assert vllm_t1_caveat(m.describe(), 1.0) is not None  # a greedy run says nothing about T=1
+    out = m.batch_runner([[1, 2, 3]], 2, 1.0, [0], True)
+    assert out[0].token_ids == [5, 6] and not requests[-1].get("fix_expand")  # the bench never applies the fix
+    assert (vllm_t1_caveat(m.describe(), 1.0) is None) == engine_ok
+    if not engine_ok:
+        assert "vLLM CPU bug" in m.note and "1e-43" in m.note
