@@ -6,29 +6,18 @@ Scope: ``nn.Module`` classes the runtime drafts with and training imports from h
 :func:`~.checkpoint.load_speculator`. Drafting logic (trees, KV bookkeeping) lives in
 ``runtime/drafters``; draft *models* are plain HF directories, not speculators.
 
-:data:`SPECULATOR_REGISTRY` maps the ``speculator_type`` string stored in a checkpoint's
-``config.json`` to its module class; every class provides ``type``, ``ARCHITECTURE_SCHEMA``,
-``architecture`` (dict), ``architecture_problems(arch, target)``, ``build(arch, target)``,
-``from_target(target, seed=0, **architecture)`` and ``feature_layers``.
+:data:`SPECULATOR_REGISTRY` (:mod:`.registry`) maps the ``speculator_type`` string stored in a
+checkpoint's ``config.json`` to its module class; every class provides ``type``,
+``ARCHITECTURE_SCHEMA``, ``architecture`` (dict), ``architecture_problems(arch, target)``,
+``build(arch, target)``, ``from_target(target, seed=0, **architecture)`` and ``feature_layers``.
 """
 
 from __future__ import annotations
 
-from torch import nn
-
+from .checkpoint import CheckpointError, TargetMismatchError, load_speculator, read_config, save_speculator
 from .eagle import Eagle3Head, EagleHead
 from .medusa import MedusaHeads, default_medusa_choices
-
-SPECULATOR_REGISTRY: dict[str, type[nn.Module]] = {cls.type: cls for cls in (EagleHead, Eagle3Head, MedusaHeads)}
-
-# imported after the registry exists: checkpoint.py looks types up in it
-from .checkpoint import (  # noqa: E402
-    CheckpointError,
-    TargetMismatchError,
-    load_speculator,
-    read_config,
-    save_speculator,
-)
+from .registry import SPECULATOR_REGISTRY
 
 __all__ = [
     "SPECULATOR_REGISTRY",

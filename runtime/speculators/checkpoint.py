@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..atomic import atomic_dir
+from .registry import SPECULATOR_REGISTRY
 
 __all__ = [
     "CONFIG_NAME",
@@ -89,12 +90,6 @@ class TargetMismatchError(CheckpointError):
     """The checkpoint was trained for a different target model."""
 
 
-def _registry() -> dict:
-    from . import SPECULATOR_REGISTRY  # the package defines it before importing this module
-
-    return SPECULATOR_REGISTRY
-
-
 # ------------------------------------------------------------------------------ validation
 
 
@@ -144,11 +139,11 @@ def validate_config(cfg, file=CONFIG_NAME, target=None) -> dict:
     if cfg["format_version"] != FORMAT_VERSION:
         raise CheckpointError(file, "format_version",
                               f"this runtime reads version {FORMAT_VERSION}, got {cfg['format_version']}")
-    registry = _registry()
     kind = cfg["speculator_type"]
-    if kind not in registry:
-        raise CheckpointError(file, "speculator_type", f"unknown type {kind!r} (known: {', '.join(sorted(registry))})")
-    cls = registry[kind]
+    if kind not in SPECULATOR_REGISTRY:
+        raise CheckpointError(file, "speculator_type",
+                              f"unknown type {kind!r} (known: {', '.join(sorted(SPECULATOR_REGISTRY))})")
+    cls = SPECULATOR_REGISTRY[kind]
     _check_fields(cfg["architecture"], cls.ARCHITECTURE_SCHEMA, file, prefix="architecture.",
                   optional=getattr(cls, "ARCHITECTURE_OPTIONAL", frozenset()))
     _check_fields(cfg["target"], _TARGET_SCHEMA, file, prefix="target.")
@@ -244,10 +239,10 @@ def save_speculator(module: nn.Module, path, target, training: dict | None = Non
     Atomic for readers: everything is written to a temporary sibling directory and renamed into
     place; an existing checkpoint is moved aside first and removed after. Returns the path.
     """
-    registry = _registry()
     kind = getattr(module, "type", None)
-    if registry.get(kind) is not type(module):
-        raise ValueError(f"{type(module).__name__} is not a registered speculator class ({sorted(registry)})")
+    if SPECULATOR_REGISTRY.get(kind) is not type(module):
+        raise ValueError(f"{type(module).__name__} is not a registered speculator class "
+                         f"({sorted(SPECULATOR_REGISTRY)})")
     ident = target.identity()
     if module.target_identity is not None and any(module.target_identity[k] != ident[k] for k in _IDENTITY_KEYS):
         raise ValueError(f"this {kind} head was built for target {_describe(module.target_identity)}, "
@@ -295,7 +290,7 @@ def load_speculator(path, target, device=None, dtype=None) -> nn.Module:
     file = path / CONFIG_NAME
     _check_target(cfg, target, file)
     validate_config(cfg, file, target)  # the architecture against this target's shapes
-    cls = _registry()[cfg["speculator_type"]]
+    cls = SPECULATOR_REGISTRY[cfg["speculator_type"]]
 
     weights = path / WEIGHTS_NAME
     if not weights.is_file():
