@@ -14,6 +14,21 @@ import threading
 import time
 
 PARENT_ENV = "SPECFOUNDRY_SERVE_PARENT_PID"  # set by launch.serve_subprocess: exit when that process is gone
+# oneDNN's primitive cache and ideep's LRU cache of the packed-weight kernels are keyed by shape and
+# hold 1024 entries each by default. A server sees a new row count at nearly every prefill (each
+# prompt length), so its resident memory grew for as long as new lengths arrived (measured: +1.7 MB
+# per request, +750 MB in a 10-minute soak; the same prompt repeated stays flat). Bounded here, the
+# hot decode shapes stay cached and a churned prefill shape costs one primitive creation.
+NATIVE_CACHE_CAPACITY = 256
+NATIVE_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_native_caches(capacity: int = NATIVE_CACHE_CAPACITY, env=os.environ) -> dict:
+    """Cap the shape-keyed kernel caches (see :data:`NATIVE_CACHES`) unless the user set them; both
+    are read when first used, so this must run before the first oneDNN operation. Returns the values."""
+    for name in NATIVE_CACHES:
+        env.setdefault(name, str(capacity))
+    return {name: env[name] for name in NATIVE_CACHES}
 
 
 def register(subparsers) -> None:
@@ -50,6 +65,7 @@ def build_engine(args):
     from .metrics import PrometheusMetrics
     from .scheduler import ServingEngine
 
+    bound_native_caches()
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
