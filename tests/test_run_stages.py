@@ -59,7 +59,7 @@ def test_guard_stopped_stages_are_recorded_and_reported(tmp_path, tiny_target_di
     recipe = {
         "name": "tiny-guarded", "method": "medusa1", "output_dir": str(tmp_path / "run"),
         "target": {"name": str(tiny_target_dir), "dtype": "fp32", "device": "cpu"},
-        "speculator": {"num_heads": 2},
+        "speculator": {"num_heads": 2, "draft_vocab_size": 256},  # (reduced-vocabulary Medusa end to end too)
         # 12 prompts - 3 held out = 9 examples planned, in chunks of 2: the guard fires after the first
         "data": {"prompts": [{"source": "file", "path": str(prompts), "limit": 12}],
                  "responses": {"max_new_tokens": 8, "batch_size": 2, "dtype": "fp32"},
@@ -113,6 +113,17 @@ def test_guard_stopped_stages_are_recorded_and_reported(tmp_path, tiny_target_di
     m = summary["measured"]["builtin-heldout"]
     assert m["T=0"]["n"] == 1 and m["T=0"]["incomplete"].startswith("1/3 prompts")
     assert m["T=1"]["n"] == 0 and m["T=1"]["tau"] is None and m["T=1"]["stopped_by_guard"]
+    # the reduced-vocabulary heads were trained, saved with their map and measured losslessly
+    from specfoundry.runtime import SpeculativeGenerator, load_drafter, load_target
+    from specfoundry.runtime.speculators import read_config
+
+    assert read_config(tmp_path / "run" / "speculator")["architecture"]["draft_vocab_size"] == 256
+    target = load_target(str(tiny_target_dir))
+    drafter = load_drafter(str(tmp_path / "run" / "speculator"), target=target)
+    assert drafter.heads.draft_to_target.numel() == 256
+    gen = SpeculativeGenerator(target, drafter, adaptive=False)
+    kw = dict(prompt="Hello there", max_new_tokens=12, stop_at_eos=False)
+    assert gen.generate(**kw).token_ids == gen.generate(speculate=False, **kw).token_ids
     # the CLI's last line names both stopped stages with planned vs done
     assert out_lines[-1] == summary["guard_report"]
     assert out_lines[-1] == ("[train] WARNING: guards stopped 2 stages: data 2/9 examples (data.max_minutes=5), "

@@ -15,7 +15,9 @@ TRT-LLM itself in this project's tests; the round trip through our own reader is
   ``transformer.layers.{l}.attention.qkv`` = cat(q, k, v), ``attention.dense``,
   ``mlp.fc`` = gate_proj, ``mlp.gate`` = up_proj, ``mlp.proj`` = down_proj,
   ``input_layernorm``, ``post_layernorm``, ``transformer.ln_f``, ``lm_head``), making a
-  single-rank checkpoint for ``trtllm-build``.
+  single-rank checkpoint for ``trtllm-build``. Reduced-vocabulary Medusa heads
+  (``draft_vocab_size``, a ``d2t`` map) are skipped with that reason: the layout's
+  ``lm_head`` covers the whole vocabulary and has no field for a token map.
 - EAGLE-1 (``"eagle"``): the SafeAILab layout of :mod:`.sglang` (TRT-LLM's
   ``examples/eagle/convert_checkpoint.py --eagle_model_dir`` reads it beside the base model).
 - EAGLE-3: skipped. TRT-LLM's EAGLE-3 draft reads the SafeAILab EAGLE-3 layout, which we could
