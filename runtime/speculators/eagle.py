@@ -4,6 +4,7 @@ type ``"eagle3"``).
 Scope: the ``nn.Module`` definitions only: architecture schema (what a checkpoint's
 ``architecture`` dict may hold), random init from a target (:meth:`from_target`), the one-step
 forward shared by the runtime drafter and by training, and the logits / vocabulary mapping.
+The decoder layer they are built on (and its architecture keys) is in :mod:`.eagle_layers`.
 Tree search and KV-cache bookkeeping live in ``runtime/drafters/eagle.py``; reading and writing
 checkpoints in :mod:`.checkpoint`.
 
@@ -34,119 +35,24 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 from typing import ClassVar
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
 from ..engine import MaskBuffer, PreparedLinears, StaticKVCache, attend, rotate
 from ..target import additive_mask
+from .eagle_layers import (
+    LLAMA_LAYER_SCHEMA,
+    Eagle1DecoderLayer,
+    Eagle3DecoderLayer,
+    layer_arch_from_target,
+    layer_architecture_problems,
+    layer_config,
+)
 
 __all__ = ["EagleHead", "Eagle3Head", "Eagle1DecoderLayer", "Eagle3DecoderLayer", "seeded_init"]
-
-# Architecture schema format (validated by checkpoint.py): key -> int | float | str | bool | dict
-# | ("list", int). Every key is required; unknown keys are errors.
-_LLAMA_LAYER_SCHEMA = {
-    "vocab_size": int,  # the target vocabulary (embedding rows)
-    "hidden_size": int,
-    "intermediate_size": int,
-    "num_attention_heads": int,
-    "num_key_value_heads": int,
-    "head_dim": int,
-    "hidden_act": str,
-    "rms_norm_eps": float,
-    "rope_parameters": dict,
-    "max_position_embeddings": int,
-    "feature_layers": ("list", int),
-}
-
-
-def _layer_arch_from_target(target) -> dict:
-    """Decoder-layer shape copied from the target, so a head layer can be initialised from a
-    target layer and shares its RoPE."""
-    c = target.config
-    heads = c.num_attention_heads
-    rope = getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": float(getattr(c, "rope_theta", 10000.0))}
-    return {
-        "vocab_size": int(target.vocab_size),
-        "hidden_size": int(target.hidden_size),
-        "intermediate_size": int(c.intermediate_size),
-        "num_attention_heads": int(heads),
-        "num_key_value_heads": int(getattr(c, "num_key_value_heads", None) or heads),
-        "head_dim": int(getattr(c, "head_dim", None) or target.hidden_size // heads),
-        "hidden_act": str(c.hidden_act),
-        "rms_norm_eps": float(c.rms_norm_eps),
-        "rope_parameters": copy.deepcopy(dict(rope)),
-        "max_position_embeddings": int(c.max_position_embeddings),
-    }
-
-
-def _layer_config(arch: dict) -> LlamaConfig:
-    cfg = LlamaConfig(
-        vocab_size=arch["vocab_size"],
-        hidden_size=arch["hidden_size"],
-        intermediate_size=arch["intermediate_size"],
-        num_hidden_layers=1,
-        num_attention_heads=arch["num_attention_heads"],
-        num_key_value_heads=arch["num_key_value_heads"],
-        head_dim=arch["head_dim"],
-        hidden_act=arch["hidden_act"],
-        rms_norm_eps=arch["rms_norm_eps"],
-        rope_parameters=copy.deepcopy(arch["rope_parameters"]),
-        max_position_embeddings=arch["max_position_embeddings"],
-    )
-    # sdpa takes the additive float tree mask as-is, like the eager path, and is faster
-    cfg._attn_implementation = "sdpa"
-    return cfg
-
-
-class Eagle1DecoderLayer(LlamaDecoderLayer):
-    """Upstream ``LlamaDecoderLayer``; changed: ``input_layernorm`` is the identity (EAGLE-1's
-    first layer feeds the fc output to attention un-normalised)."""
-
-    def __init__(self, config: LlamaConfig):
-        super().__init__(config, layer_idx=0)
-        self.input_layernorm = nn.Identity()
-
-
-class Eagle3DecoderLayer(LlamaDecoderLayer):
-    """Upstream ``LlamaDecoderLayer``; changed (as in EAGLE-3):
-
-    - ``q_proj``/``k_proj``/``v_proj`` read ``2H`` inputs: ``cat(input_layernorm(embed),
-      hidden_norm(h))``;
-    - a new ``hidden_norm`` for the hidden stream; ``input_layernorm`` normalises the embedding;
-    - the attention residual is the hidden stream ``h`` (not the concatenation).
-    """
-
-    def __init__(self, config: LlamaConfig):
-        super().__init__(config, layer_idx=0)
-        H, hd = config.hidden_size, config.head_dim
-        bias = config.attention_bias
-        attn = self.self_attn
-        attn.q_proj = nn.Linear(2 * H, config.num_attention_heads * hd, bias=bias)
-        attn.k_proj = nn.Linear(2 * H, config.num_key_value_heads * hd, bias=bias)
-        attn.v_proj = nn.Linear(2 * H, config.num_key_value_heads * hd, bias=bias)
-        self.hidden_norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
-
-    def forward(self, hidden_states, input_embeds=None, attention_mask=None, position_ids=None, cache=None,
-                use_cache=False, position_embeddings=None, **kwargs):
-        residual = hidden_states
-        x = torch.cat([self.input_layernorm(input_embeds), self.hidden_norm(hidden_states)], dim=-1)
-        attn_out, _ = self.self_attn(
-            hidden_states=x,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
-        hidden_states = residual + attn_out
-        residual = hidden_states
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
-        return residual + hidden_states
 
 
 class _EagleBase(nn.Module):
@@ -158,7 +64,7 @@ class _EagleBase(nn.Module):
     def __init__(self, architecture: dict, embed_tokens: nn.Embedding):
         super().__init__()
         self.architecture = copy.deepcopy(dict(architecture))
-        self.config = _layer_config(self.architecture)
+        self.config = layer_config(self.architecture)
         self.rotary_emb = LlamaRotaryEmbedding(self.config)  # inv_freq is a non-persistent buffer
         self._inv_freq32 = self.rotary_emb.inv_freq.detach().clone().float()  # plain attribute, see _apply
         # a plain dict keeps the target's modules out of parameters(), state_dict() and .to()
@@ -208,29 +114,7 @@ class _EagleBase(nn.Module):
     @classmethod
     def architecture_problems(cls, arch: dict, target=None) -> list[tuple[str, str]]:
         """Semantic checks after the type checks: ``[(key, problem), ...]`` (empty when fine)."""
-        out = []
-        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                  "head_dim", "max_position_embeddings"):
-            if arch[k] < 1:
-                out.append((k, f"must be >= 1, got {arch[k]}"))
-        if not out and arch["num_attention_heads"] % arch["num_key_value_heads"]:
-            out.append(("num_key_value_heads", f"{arch['num_key_value_heads']} does not divide num_attention_heads {arch['num_attention_heads']}"))
-        if not (math.isfinite(arch["rms_norm_eps"]) and 0 < arch["rms_norm_eps"] < 1):
-            out.append(("rms_norm_eps", f"must be a finite number in (0, 1), got {arch['rms_norm_eps']}"))
-        from transformers.activations import ACT2FN
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        if arch["hidden_act"] not in ACT2FN:
-            out.append(("hidden_act", f"unknown activation {arch['hidden_act']!r:.40}"))
-        rope = arch["rope_parameters"]
-        if "rope_type" not in rope or "rope_theta" not in rope:
-            out.append(("rope_parameters", "must hold at least 'rope_type' and 'rope_theta'"))
-        else:
-            if rope["rope_type"] != "default" and rope["rope_type"] not in ROPE_INIT_FUNCTIONS:
-                out.append(("rope_parameters.rope_type", f"unknown rope type {rope['rope_type']!r:.40}"))
-            theta = rope["rope_theta"]
-            if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
-                out.append(("rope_parameters.rope_theta", f"must be a finite number > 0, got {theta!r:.40}"))
+        out = layer_architecture_problems(arch)
         if not arch["feature_layers"]:
             out.append(("feature_layers", "must not be empty"))
         if target is not None:
@@ -401,7 +285,7 @@ class EagleHead(_EagleBase):
     predicted final-normed feature; logits through the target's own ``lm_head``."""
 
     type = "eagle"
-    ARCHITECTURE_SCHEMA = dict(_LLAMA_LAYER_SCHEMA)
+    ARCHITECTURE_SCHEMA = dict(LLAMA_LAYER_SCHEMA)
 
     def __init__(self, architecture: dict, embed_tokens: nn.Embedding, lm_head: nn.Linear):
         super().__init__(architecture, embed_tokens)
@@ -422,7 +306,7 @@ class EagleHead(_EagleBase):
 
     @classmethod
     def default_architecture(cls, target) -> dict:
-        return {**_layer_arch_from_target(target), "feature_layers": [int(target.num_layers)]}
+        return {**layer_arch_from_target(target), "feature_layers": [int(target.num_layers)]}
 
     @property
     def lm_head(self) -> nn.Linear:
@@ -464,7 +348,7 @@ class Eagle3Head(_EagleBase):
     decoder layer, output norm and a reduced-vocabulary ``lm_head`` (``d2t``/``t2d`` buffers)."""
 
     type = "eagle3"
-    ARCHITECTURE_SCHEMA = {**_LLAMA_LAYER_SCHEMA, "draft_vocab_size": int}
+    ARCHITECTURE_SCHEMA = {**LLAMA_LAYER_SCHEMA, "draft_vocab_size": int}
 
     def __init__(self, architecture: dict, embed_tokens: nn.Embedding):
         super().__init__(architecture, embed_tokens)
@@ -514,7 +398,7 @@ class Eagle3Head(_EagleBase):
         L = int(target.num_layers)
         # EAGLE-3's low/mid/high: inputs of layers 2, L//2 and L-3 (clamped for tiny targets)
         layers = [min(max(i, 0), L) for i in (2, L // 2, L - 3)]
-        return {**_layer_arch_from_target(target), "feature_layers": layers,
+        return {**layer_arch_from_target(target), "feature_layers": layers,
                 "draft_vocab_size": int(min(32000, target.vocab_size))}
 
     @property
