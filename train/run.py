@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -101,6 +102,20 @@ def init_layer_from_target(head, target, layer: int) -> list[str]:
 
 def build_method(recipe, target, train_ds):
     """(speculator module to save, training method module)."""
+    from .zero3_target import gathered
+
+    spec = recipe.speculator
+    # a zero3-placement target holds only partitions: the modules a speculator copies at init (the
+    # final norm, the layer it warm-starts from) are all-gathered for the build (every rank builds
+    # the speculator, so every rank enters the collective); a no-op for a whole target
+    copied = list(target.final_norm.parameters())
+    if getattr(spec, "init_from_target_layer", None) is not None:
+        copied += list(target.model.model.layers[spec.init_from_target_layer].parameters())
+    with gathered(copied):
+        return _build_method(recipe, target, train_ds)
+
+
+def _build_method(recipe, target, train_ds):
     from specfoundry.runtime.speculators import EagleHead, Eagle3Head, MedusaHeads
 
     from .methods import DraftKDMethod, Eagle1Method, Eagle3Method, Medusa2Method, MedusaMethod
@@ -283,15 +298,28 @@ def main(argv: list[str] | None = None) -> int:
     check_evaluation_shape(recipe)
     if args.resume:
         check_resume_recipe(recipe, run_dir)
-    # the frozen target is loaded before the DeepSpeed plugin exists: under ZeRO-3 transformers
-    # would otherwise partition it at load (it is replicated per process; only the head is sharded)
     # on the recipe's device (cuda: this process's GPU, LOCAL_RANK under a launcher), where the head
     # is trained and the hidden states are consumed
     dev = recipe.target.device
     dev = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if dev == "cuda" else dev
-    target = load_target(recipe.target.name, device=dev, dtype=_dtype(recipe.target.dtype),
-                         revision=recipe.target.revision)
-    acc = make_accelerator(recipe)
+    from .zero3_target import is_zero3_placement, load_partitioned_target, load_whole_target, release, share_dataset
+
+    zero3 = is_zero3_placement(recipe)
+    if zero3:
+        # target.placement zero3 (train/zero3_target.py): the process group first (zero.Init
+        # partitions over it); the data phase runs in the main process alone, with the whole target
+        # there (nowhere else), and the partitioned target is loaded after it
+        acc = make_accelerator(recipe)
+        target = load_whole_target(recipe, dev) if acc.is_main_process else None
+        if not acc.is_main_process:
+            def build_dataset(*_args, **_kwargs):  # noqa: F811 - the main process's dataset, shared below
+                return None, None
+    else:
+        # replicate: the frozen target is loaded whole in every process, before the DeepSpeed plugin
+        # exists (only the head is sharded by ZeRO)
+        target = load_target(recipe.target.name, device=dev, dtype=_dtype(recipe.target.dtype),
+                             revision=recipe.target.revision)
+        acc = make_accelerator(recipe)
     set_seed(recipe.training.seed)
     if acc.is_main_process:
         claim_run_dir(run_dir, resume=args.resume, overwrite=args.overwrite)
@@ -314,6 +342,16 @@ def main(argv: list[str] | None = None) -> int:
                                           max_minutes=d.max_minutes if acc.is_main_process else 0,
                                           stats=data_stats)
     data_seconds = time.perf_counter() - t_data
+    if zero3:
+        train_ds, heldout = share_dataset(acc, train_ds, heldout)
+        if target is not None:
+            release(target)
+        target = load_partitioned_target(recipe, dev)
+        part = target.partition
+        print(f"[target] rank {part['rank']}/{part['world']}: {part['elements_this_rank']} of "
+              f"{part['partitioned_elements']} partitioned target elements ({part['fraction_this_rank']:.3f}), "
+              f"{part['whole_copy_elements']} in whole copies (LM head, embedding), "
+              f"{part['bytes_this_rank'] / 1e6:.1f} MB of target weights here", file=sys.stderr, flush=True)
 
     val_ds = None
     if recipe.training.eval_every:
@@ -351,12 +389,13 @@ def main(argv: list[str] | None = None) -> int:
                      micro_batch_size=tr.batch_size, eval_every=tr.eval_every)
 
     def batches(epoch: int, start: int):
-        it = source.batches(train_ds, tr.batch_size, seed=tr.seed, epoch=epoch, start_step=start * P)
-        for i, batch in enumerate(it):
-            if i >= (per_epoch - start) * P:
-                break
-            if i % P == rank:
-                yield batch
+        # this rank's batches only (every P-th of the shared order), and exactly per_epoch of them,
+        # stopping before the next is computed: a zero3-placement target's forward is a collective
+        # (it all-gathers each layer), so every rank must run the same number of target forwards,
+        # with none for a batch another rank trains on (that rank is in the head's collectives then)
+        it = source.batches(train_ds, tr.batch_size, seed=tr.seed, epoch=epoch, start_step=start, rank=rank,
+                            world_size=P)
+        yield from itertools.islice(it, max(0, per_epoch - start))
 
     acc.print(f"[train] {len(train_ds)} sequences, {steps} steps of {tr.batch_size} x {acc.num_processes} process(es)")
     def evaluate(m) -> dict:
@@ -373,10 +412,20 @@ def main(argv: list[str] | None = None) -> int:
     summary = train_loop(acc, method, batches, cfg, run_dir, resume=args.resume, run_id=run_id,
                          evaluate=evaluate if val_ds is not None else None)
     state_dict = summary.pop("state_dict")
+    partition = None
+    if zero3:
+        from accelerate.utils import gather_object
+
+        partition = gather_object([target.partition])  # every rank's share, for the summary
+        # saving and the final evaluation run in the main process alone: the whole target there
+        release(target)
+        target = load_whole_target(recipe, dev) if acc.is_main_process else None
     result = {"recipe": recipe.name, "command": " ".join(["specfoundry", "train", *sys.argv[1:]]),
               "sequences": len(train_ds), "tokens_trained": summary["tokens"], "steps": summary["global_step"],
               "train_seconds": summary["seconds"], "data_seconds": data_seconds, "wandb_mode": mode,
               "final_metrics": summary["history"][-1] if summary["history"] else {}}
+    result["target_placement"] = {"placement": "zero3" if zero3 else "replicate",
+                                  **({"ranks": partition} if partition is not None else {})}
     from .stages import capture_stage, data_stage, training_stage
 
     result["stages"] = {"data": data_stage(data_stats, d.max_minutes),
