@@ -261,7 +261,7 @@ def test_trtllm_medusa_layout(tmp_path, target):
 
 
 SKIPS = [
-    ("vllm", "eagle"), ("vllm", "medusa"), ("sglang", "medusa"), ("trtllm", "eagle3"),
+    ("vllm", "eagle"), ("sglang", "medusa"), ("trtllm", "eagle3"),
     ("hf_draft", "eagle3"), ("hf_draft", "medusa"),
 ]
 

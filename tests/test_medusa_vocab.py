@@ -210,3 +210,47 @@ def test_training_labels_are_the_target_distribution_restricted_to_the_draft_voc
     assert abs(metrics["loss/head0"] - float(-(p * q).sum(-1).mean())) < 1e-5
     loss.backward()
     assert heads.heads[0][-1].weight.grad is not None and heads.heads[0][-1].weight.grad.shape == (len(VOCAB), 32)
+
+
+@pytest.mark.parametrize("vocab", [None, VOCAB], ids=["full", "reduced"])
+def test_vllm_medusa_layout_round_trip_carries_the_token_map(tmp_path, target, vocab):
+    from specfoundry.export.serving import export_vllm, load_vllm
+
+    heads = _perturbed(MedusaHeads.from_target(target, num_heads=3, num_layers=2, draft_token_ids=vocab))
+    entry = export_vllm(heads, target, tmp_path / "v")
+    assert entry["status"] == "written", entry
+    cfg = json.loads((tmp_path / "v" / "config.json").read_text())
+    assert cfg["model_type"] == "medusa" and cfg["architectures"] == ["MedusaModel"]
+    assert (cfg["num_heads"], cfg["num_hidden_layers"], cfg["medusa_fc_bias"]) == (3, 2, True)
+    t = load_file(str(tmp_path / "v" / "model.safetensors"))
+    assert cfg["truncated_vocab_size"] == (len(VOCAB) if vocab else V)
+    assert t["lm_heads.2.weight"].shape == (cfg["truncated_vocab_size"], 32)
+    assert torch.equal(t["blocks.1.layers.1.bias"], heads.heads[1][1].linear.bias.detach())
+    assert ("token_map" in t) == (vocab is not None)
+    if vocab:
+        assert t["token_map"].tolist() == VOCAB and t["token_map"].dtype == torch.int64
+    loaded = load_vllm(tmp_path / "v", target)
+    assert isinstance(loaded, MedusaHeads) and loaded.draft_vocab_size == heads.draft_vocab_size
+    x = torch.randn(2, 32, dtype=torch.float64)
+    assert torch.equal(loaded(x), heads(x))
+    gen_a = SpeculativeGenerator(target, MedusaDrafter(heads), adaptive=False)
+    gen_b = SpeculativeGenerator(target, MedusaDrafter(loaded), adaptive=False)
+    a, b = (g.generate(prompt_ids=PROMPTS[0], max_new_tokens=20) for g in (gen_a, gen_b))
+    assert a.token_ids == b.token_ids and (a.stats.drafted, a.stats.accepted) == (b.stats.drafted, b.stats.accepted)
+
+
+def test_vllm_medusa_bad_token_map_is_refused(tmp_path, target):
+    from specfoundry.export.identity import ArtifactError
+    from specfoundry.export.serving import export_vllm, load_vllm
+
+    export_vllm(reduced(target), target, tmp_path / "v")
+    f = tmp_path / "v" / "model.safetensors"
+    t = load_file(str(f))
+    t["token_map"][0] = V
+    save_file(t, str(f))
+    with pytest.raises(ArtifactError, match="d2t: token ids must lie in"):
+        load_vllm(tmp_path / "v", target)
+    del t["token_map"]
+    save_file(t, str(f))
+    with pytest.raises(ArtifactError, match="no token_map tensor"):
+        load_vllm(tmp_path / "v", target)

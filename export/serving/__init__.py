@@ -16,8 +16,9 @@ on it) and refuse one exported for another target: every directory carries
 =========  ===============================================  ======================================
 format     layout                                           types
 =========  ===============================================  ======================================
-vllm       vLLM's ``speculators`` format (Eagle3 config,    eagle3
-           d2t as offsets, fc_norm)
+vllm       vLLM's ``speculators`` format (Eagle3 config,    eagle3, medusa
+           d2t as offsets, fc_norm); vLLM's Medusa layout
+           (token_map for a reduced vocabulary)
 sglang     SafeAILab EAGLE / EAGLE-3 layout (SGLang;        eagle, eagle3
            EAGLE-1 also vLLM ``method="eagle"``)
 trtllm     TensorRT-LLM Medusa checkpoint; EAGLE-1 in the   medusa, eagle
@@ -41,7 +42,7 @@ from .vllm import d2t_from_offsets, d2t_to_offsets, export_vllm, load_vllm
 
 #: format name -> (writer, reader, speculator types it carries)
 SERVING_FORMATS: dict[str, tuple] = {
-    "vllm": (export_vllm, load_vllm, ("eagle3",)),
+    "vllm": (export_vllm, load_vllm, ("eagle3", "medusa")),
     "sglang": (export_sglang, load_sglang, ("eagle", "eagle3")),
     "trtllm": (export_trtllm, load_trtllm, ("medusa", "eagle")),
     "hf_draft": (export_hf_draft, load_hf_draft, ("draft",)),

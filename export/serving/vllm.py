@@ -1,11 +1,12 @@
 """vLLM's ``speculators`` checkpoint format (EAGLE-3): writer :func:`export_vllm` and reader
 :func:`load_vllm`.
 
-Scope: EAGLE-3 heads only. The format (``speculators`` 0.9.0, read by vLLM >= 0.10 through
+Scope: EAGLE-3 heads in the ``speculators`` format, and Medusa heads in vLLM's own Medusa layout
+(written and read by :mod:`.vllm_medusa`, method ``"medusa"``; it carries a reduced vocabulary's
+token map). The format (``speculators`` 0.9.0, read by vLLM >= 0.10 through
 ``speculative_config={"method": "eagle3", "model": <dir>}``) has no EAGLE-1 or Medusa model
 type: EAGLE-1 goes through the SafeAILab layout (:mod:`.sglang`, vLLM method ``"eagle"``),
-Medusa through :mod:`.trtllm`, draft models through :mod:`.hf_draft`. Other types get a
-``skipped`` report entry.
+draft models through :mod:`.hf_draft`. Other types get a ``skipped`` report entry.
 
 Directory::
 
@@ -79,7 +80,6 @@ WEIGHTS_NAME = "model.safetensors"
 _WHY_NOT = {
     "eagle": "the speculators format (0.9.0) has no EAGLE-1 model type; export the 'sglang' layout, which vLLM "
              "serves with method 'eagle'",
-    "medusa": "the speculators format has no Medusa model type; export 'trtllm' for Medusa",
     "draft": "a draft LM is served by vLLM as a plain HF directory (method 'draft_model'); export 'hf_draft'",
 }
 
@@ -114,6 +114,10 @@ def export_vllm(head, target, out_dir, *, num_speculative_tokens: int = 3, verif
     the target's token embedding (see the module notes). Returns a report entry.
     """
     kind = kind_of(head)
+    if kind == "medusa":  # vLLM's own Medusa layout (with its token map for a reduced vocabulary)
+        from .vllm_medusa import export_vllm_medusa
+
+        return export_vllm_medusa(head, target, out_dir, dtype=dtype)
     if kind != "eagle3":
         return skipped(FORMAT, kind, _WHY_NOT.get(kind, f"type {kind!r} has no speculators-format model type"))
     check_head_target(head, target)
@@ -202,6 +206,10 @@ def load_vllm(directory, target, device=None, dtype=None, check_identity: bool =
         check_artifact(directory, target)
     file = directory / CONFIG_NAME
     cfg = read_json(file)
+    if cfg.get("model_type") == "medusa" and "speculators_model_type" not in cfg:
+        from .vllm_medusa import load_vllm_medusa
+
+        return load_vllm_medusa(directory, target, device, dtype, check_identity=False)  # identity checked above
     if cfg.get("speculators_model_type") != "eagle3":
         raise ArtifactError(f"{file}: speculators_model_type {cfg.get('speculators_model_type')!r} is not 'eagle3'")
     unsupported = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}
