@@ -65,13 +65,15 @@ def test_the_70b_recipe_fails_in_one_line_before_spawning_anything(tmp_path):
 
 def test_devices_and_memory_against_the_plan():
     r = load_recipe("eagle-llama3-70b")
-    # the run loads the whole 141 GB target in every process (placement zero3 is planned, not yet
-    # done by train/run.py): 8 x 80 GB is refused with that reason, not left to run out of memory
-    whole = _by_name(preflight(r, cuda_probe=_probe(8)))
-    assert whole["devices"].status == "ok" and whole["memory"].status == "fail"
-    assert "does not partition the frozen target" in whole["memory"].detail
-    ok = _by_name(preflight(r, cuda_probe=_probe(8, free_gb=200)))
-    assert ok["memory"].status == "ok"
+    # placement zero3: the run partitions the 141 GB target over the 8 processes (train/zero3_target.py),
+    # so the intended 8 x 80 GB machine passes, with the per-process share named
+    ok = _by_name(preflight(r, cuda_probe=_probe(8)))
+    assert ok["devices"].status == "ok" and ok["memory"].status == "ok", ok["memory"].detail
+    assert "target partitioned by ZeRO-3: 21.6 GB of its 141.1 GB per process" in ok["memory"].detail
+    # the same recipe with the target whole in every process (replicate) does not fit 80 GB
+    rep = _by_name(preflight(load_recipe("eagle-llama3-70b", {"target.placement": "replicate"}), cuda_probe=_probe(8)))
+    assert rep["memory"].status == "fail" and "GB per device" in rep["memory"].detail
+    assert _by_name(preflight(r, cuda_probe=_probe(8, free_gb=200)))["memory"].status == "ok"
     assert _by_name(preflight(load_recipe("eagle3-llama3-8b"), cuda_probe=_probe(8)))["memory"].status == "ok"
     few = _by_name(preflight(r, cuda_probe=_probe(4)))
     assert few["devices"].status == "fail" and "needs 8 CUDA GPU(s)" in few["devices"].detail and "found 4" in few["devices"].detail

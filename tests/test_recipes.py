@@ -227,6 +227,10 @@ CROSS = [
                                                                   "unrolling is EAGLE-3 only"),
     (MINIMAL + "  precision: fp16\n", "training.precision: fp16 mixed precision needs CUDA"),
     (MINIMAL + "target: {placement: zero3}\n", "target.placement: zero3 placement partitions the target"),
+    (MINIMAL + "target: {placement: zero3}\ndata: {hidden_states: offline}\nlauncher: {config: zero-cpu-2proc, "
+     "deepspeed: zero3}\n", "target.placement: zero3 placement needs data.hidden_states: online"),
+    ("method: draft\ntraining: {max_steps: 5}\nspeculator: {layers: [0, 2]}\ntarget: {placement: zero3}\n"
+     "launcher: {config: zero-cpu-2proc, deepspeed: zero3}\n", "a draft built from target layers"),
     ("method: draft\ntraining: {max_steps: 5}\nspeculator: {layers: [0, 2], init_from: llama-3.2-1b}\n",
      "a draft needs exactly one of layers"),
     ("method: draft\ntraining: {max_steps: 5}\n", "got none"),
@@ -342,6 +346,19 @@ def test_plan_computes_for_every_recipe(name):
         assert plan.fits, text  # the GPU recipes are sized to fit their stated device
 
 
+def test_auto_placement_partitions_the_target_only_where_the_run_can():
+    """placement auto -> zero3 under ZeRO-3 with several processes, except where the main process
+    alone needs the whole target during training (offline capture) or the target trains (Medusa-2)."""
+    z3 = {"launcher.config": "zero-cpu-2proc", "launcher.deepspeed": "zero3", "target.placement": "auto"}
+    assert resolve(load_recipe("eagle3-smollm2-135m", {**z3, "data.hidden_states": "online"})).target.placement == "zero3"
+    assert resolve(load_recipe("eagle3-smollm2-135m", {**z3, "data.hidden_states": "offline"})).target.placement \
+        == "replicate"
+    assert resolve(load_recipe("eagle3-smollm2-135m", {**z3, "launcher.deepspeed": "zero2"})).target.placement \
+        == "replicate"
+    online = make_plan(load_recipe("eagle3-smollm2-135m", {**z3, "data.hidden_states": "online"}))
+    assert online.placement == "zero3" and online.memory.target_weights < online.target_weight_bytes
+
+
 def test_70b_plan_numbers_are_sane():
     r = load_recipe("eagle-llama3-70b")
     plan = make_plan(r)
@@ -351,7 +368,15 @@ def test_70b_plan_numbers_are_sane():
     assert z3 < z2 < z0
     assert plan.memory.total == pytest.approx(z3)
     m = plan.memory
-    assert m.target_weights == pytest.approx(plan.target_weight_bytes / 8)  # sharded by ZeRO-3
+    # placement zero3 (train/zero3_target.py): 1/8 of every parameter but the LM head, plus whole
+    # copies of the LM head and the embedding (the head reads both every step); gathering two
+    # layers or the (larger) embedding at a time
+    A = plan.target
+    whole = (A.embedding_params() + A.lm_head_params()) * 2
+    assert m.target_weights == pytest.approx((plan.target_weight_bytes - A.lm_head_params() * 2) / 8 + whole)
+    assert 20 * GB < m.target_weights < 23 * GB
+    assert m.gather_buffers == pytest.approx(2 * max(A.layer_params(), A.embedding_params()) * 2)
+    assert not any("whole frozen target" in w for w in plan.warnings), plan.warnings
     assert make_plan(r, zero_stage=2).memory.target_weights == pytest.approx(plan.target_weight_bytes)
     # no ZeRO: 16 bytes of weights/grads/Adam per trainable parameter; ZeRO-3 divides them by 8
     z0m = make_plan(r, zero_stage=0).memory

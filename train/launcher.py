@@ -27,7 +27,7 @@ from .recipe_errors import suggest
 
 __all__ = ["packaged", "accelerate_config_path", "deepspeed_config_path", "list_launcher_configs",
            "read_accelerate_config", "read_deepspeed_config", "zero_stage", "launcher_problems", "launch_args",
-           "deepspeed_config_for", "process_counts", "machine_settings"]
+           "deepspeed_config_for", "process_counts", "machine_settings", "zero3_placement_problem"]
 
 
 def packaged(*parts: str):
@@ -143,10 +143,34 @@ def launcher_problems(r) -> list[tuple[str, str]]:
     if pl == "zero3" and stage != 3:
         out.append(("target.placement", "zero3 placement partitions the target with ZeRO-3: set launcher.deepspeed "
                                         "to a stage-3 config (zero3) with a DeepSpeed launcher"))
+    if pl == "zero3" and stage == 3:
+        problem = zero3_placement_problem(r)
+        if problem:
+            out.append(("target.placement", problem))
     if pl == "device_map" and nproc > 1:
         out.append(("target.placement", f"device_map spreads one target over the GPUs of one process; "
                                         f"the launcher starts {nproc}"))
     return out
+
+
+def zero3_placement_problem(r) -> str | None:
+    """Why the frozen target cannot be partitioned by ZeRO-3 for this recipe (None: it can).
+
+    A zero3-placement run (train/zero3_target.py) holds the target partitioned during training
+    only, where every rank runs the same target forwards; what the main process does alone with
+    the target needs it whole, so these combinations are refused (placement ``auto`` falls back
+    to ``replicate`` for them): offline hidden states (the capture pass), Medusa-2 (the backbone
+    trains through LoRA) and a draft built from target layers (whole layers are copied)."""
+    if r.method == "medusa2":
+        return ("zero3 placement keeps the target frozen and partitioned, and Medusa-2 fine-tunes it (LoRA): "
+                "use target.placement: replicate")
+    if r.data.hidden_states == "offline" and r.method != "draft":
+        return ("zero3 placement needs data.hidden_states: online (the offline capture pass runs in the main "
+                "process alone, with the whole target): use target.placement: replicate for offline features")
+    if r.method == "draft" and getattr(r.speculator, "layers", None) is not None:
+        return ("zero3 placement: a draft built from target layers (speculator.layers) copies them whole from "
+                "the target; use speculator.init_from or speculator.config, or target.placement: replicate")
+    return None
 
 
 def launch_args(recipe) -> list[str]:

@@ -13,8 +13,10 @@ Everything here is an estimate, and the assumptions are named where they are mad
   (fp32 master, m, v) per trainable parameter; stage 1 partitions the optimizer states, stage 2
   also the gradients, stage 3 also the weights, each over the data-parallel processes. Without
   DeepSpeed (accelerate autocast) weights, gradients and both moments are fp32: 4 + 4 + 8 B.
-  The frozen target is counted apart: whole per process (replicate), 1/N under ZeRO-3
-  (placement zero3), or spread over a machine's GPUs (device_map). Activations assume SDPA /
+  The frozen target is counted apart: whole per process (replicate), or under ZeRO-3 (placement
+  zero3, train/zero3_target.py) 1/N of every parameter but the LM head plus whole copies of the
+  LM head and embedding, with two gathered layers (or the embedding) as the gather working set;
+  or spread over a machine's GPUs (device_map). Activations assume SDPA /
   flash attention (no seq^2 term) and a micro-batch of ``batch_size x max_seq_len`` tokens.
 - Token counts assume the averages in ``_ASSUMED`` where the recipe gives only caps.
 - Wall time is given only where a throughput was measured (``_MEASURED``, from DESIGN.md);
@@ -28,6 +30,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .launcher import zero3_placement_problem
 from .plan_memory import (BYTES, GB, Memory, SpeculatorSize, architecture_problems, memory_per_device,
                           speculator_size)
 from .presets import Architecture, PresetError, resolve_architecture
@@ -159,9 +162,14 @@ def _prompt_stats(r: Recipe) -> tuple[int | None, float, list[str]]:
 # --------------------------------------------------------------------------------------------
 
 def _placement(r: Recipe, stage: int, world: int) -> str:
+    """Where the frozen target lives for ZeRO stage ``stage`` over ``world`` processes: partitioned
+    (``zero3``, what train/zero3_target.py does) only under stage 3 with several processes; ``auto``
+    also only where the recipe allows it (:func:`~specfoundry.train.launcher.zero3_placement_problem`)."""
     want = r.target.placement
-    if want == "zero3" or want == "auto":
+    if want == "zero3":
         return "zero3" if stage == 3 and world > 1 else "replicate"
+    if want == "auto":
+        return "zero3" if stage == 3 and world > 1 and zero3_placement_problem(r) is None else "replicate"
     return want
 
 
@@ -195,10 +203,6 @@ def make_plan(recipe: Recipe, *, zero_stage: int | None = None, arch: Architectu
         for st in (0, 2, 3):
             sds = ds if st == stage else ({"zero_optimization": {"stage": st}} if st else None)
             by_stage[st] = memory_per_device(r, A, spec, st, world, _placement(r, st, world), device, sds)
-    if placement == "zero3" and world > 1:
-        whole = A.param_count() * BYTES[r.target.dtype]
-        warnings.append(f"target placement zero3 is planned, but the training run loads the whole frozen target "
-                        f"({whole / GB:.1f} GB) in every process today (train/run.py); the preflight counts it whole")
     cap = r.launcher.device_memory_gb * GB if r.launcher.device_memory_gb else None
     fits = None if cap is None else memory.total <= cap
     if fits is False:

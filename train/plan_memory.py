@@ -222,7 +222,16 @@ def memory_per_device(r: Recipe, A: Architecture, spec: SpeculatorSize, stage: i
                      f"capture pass beforehand holds the whole target ({A.param_count() * tb / GB:.1f} GB)")
     else:
         target_bytes = A.param_count() * tb
-    if placement == "zero3":
+    if placement == "zero3" and not offline:
+        # train/zero3_target.py: every parameter but the LM head partitioned 1/N; whole copies of
+        # the LM head and the input embedding beside them (the speculator reads both every step)
+        whole = A.embedding_params() + A.lm_head_params()
+        target_bytes = ((A.param_count() - A.lm_head_params()) / N + whole) * tb
+        notes.append(f"frozen target partitioned over {N} processes by ZeRO-3, plus whole copies of its embedding"
+                     f"{' and LM head' if A.lm_head_params() else ' (tied LM head)'} ({whole * tb / GB:.2f} GB); the "
+                     f"main process holds the whole target ({A.param_count() * tb / GB:.1f} GB, over the machine's "
+                     "GPUs) for data generation, saving and the final evaluation, before and after training")
+    elif placement == "zero3":
         target_bytes /= N
         notes.append(f"frozen target partitioned over {N} processes by ZeRO-3")
     elif placement == "device_map":
@@ -257,8 +266,10 @@ def memory_per_device(r: Recipe, A: Architecture, spec: SpeculatorSize, stage: i
         notes.append("parameters offloaded to host memory (gathered to the GPU layer by layer)")
     gather = 0.0
     if stage == 3 and N > 1:
-        # the all-gathered layer in use plus the one being prefetched
-        layer = max(spec.layer_params * w, A.layer_params() * tb if placement == "zero3" else 0)
+        # the all-gathered layer in use plus the one being prefetched (a partitioned target's
+        # forward gathers its layers and its embedding the same way)
+        layer = max(spec.layer_params * w,
+                    max(A.layer_params(), A.embedding_params()) * tb if placement == "zero3" else 0)
         gather = 2 * layer
     acts, act_notes = _activations(r, A, spec, device)
     return Memory(zero_stage=stage, world_size=N, placement=placement, target_weights=target_bytes,

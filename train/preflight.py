@@ -123,17 +123,17 @@ def host_memory_available() -> float | None:
 
 
 def memory_needed(plan) -> tuple[float | None, str]:
-    """Bytes per device the run will need, and a note. The plan's estimate, except that the
-    training run (train/run.py) loads the whole frozen target in every process today: a planned
-    ``zero3`` placement (the target partitioned over the processes) is counted whole here."""
+    """Bytes per device the run will need, and a note: the plan's estimate. For ``zero3``
+    placement that is the training phase with the target partitioned (train/zero3_target.py:
+    target / N plus whole copies of its LM head and embedding, and the gathered-layer working
+    set); the main process's phases with the whole target (data generation, saving, the final
+    evaluation) spread it over the machine's GPUs and are noted, not added."""
     if plan is None:
         return None, ""
-    need = plan.memory.total
     if plan.placement == "zero3" and plan.world_size > 1:
-        need += plan.target_weight_bytes - plan.memory.target_weights
-        return need, (f" (the whole {plan.target_weight_bytes / GB:.1f} GB target in every process: target.placement "
-                      "zero3 is planned but the training run does not partition the frozen target yet)")
-    return need, ""
+        return plan.memory.total, (f" (target partitioned by ZeRO-3: {plan.memory.target_weights / GB:.1f} GB of "
+                                   f"its {plan.target_weight_bytes / GB:.1f} GB per process)")
+    return plan.memory.total, ""
 
 
 def _device_checks(recipe, plan, cuda_probe) -> list[Check]:

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from .launcher import (accelerate_config_path, deepspeed_config_for, deepspeed_config_path, launch_args,
                        list_launcher_configs, packaged, process_counts, read_accelerate_config, read_deepspeed_config,
-                       zero_stage)
+                       zero3_placement_problem, zero_stage)
 from .presets import PresetError, cache_root, find_architecture
 from .recipe_errors import RecipeError, got, suggest
 from .recipe_schema import (BUILTIN_HELDOUT, METHODS, PROMPT_SOURCES, SPECULATOR_CLASSES, DataConfig, DraftArchConfig,
@@ -340,7 +340,10 @@ def resolve(recipe: Recipe) -> Recipe:
     acc = read_accelerate_config(r.launcher.config)
     r.launcher.num_processes, r.launcher.num_machines = process_counts(r)
     if r.target.placement == "auto":
-        r.target.placement = "zero3" if zero_stage(r) == 3 and r.launcher.num_processes > 1 else "replicate"
+        # partitioned where ZeRO-3 runs over several processes and the recipe allows it (see
+        # launcher.zero3_placement_problem: offline features, Medusa-2, drafts from target layers)
+        r.target.placement = "zero3" if zero_stage(r) == 3 and r.launcher.num_processes > 1 \
+            and zero3_placement_problem(r) is None else "replicate"
     if r.target.device == "auto":
         r.target.device = "cpu" if acc.get("use_cpu") else "cuda"
     if r.method != "draft" and r.target.feature_layers is None:
