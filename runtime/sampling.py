@@ -43,6 +43,16 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` (first maximal index; NaN counts as maximal), widened to float32 first
+    for bf16/fp16 logits on a CPU: widening is exact, so the index is the same, and PyTorch's CPU
+    argmax over bf16 runs ~5x slower than widen + argmax (measured at 16 x 49152: 5.2 ms vs 1.0 ms,
+    1 thread; a bf16 tree verification spent 1.5 ms per step in it)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(-1)
+
+
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Return the sampling distribution over the last dim of ``logits`` (any leading shape).
 

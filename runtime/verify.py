@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, probs_from_logits, sample
+from .sampling import SamplingParams, argmax, probs_from_logits, sample
 from .tree import Draft, tree_depths
 
 __all__ = [
@@ -116,7 +116,7 @@ def verify_greedy_chain(draft: Draft, target_logits: torch.Tensor) -> VerifyResu
     """Greedy verification when ``draft.parents`` is a chain (node ``i``'s parent is ``i - 1``)."""
     _check(draft, target_logits)
     B, N = draft.tokens.shape
-    am = target_logits.argmax(-1)  # [B, N]
+    am = argmax(target_logits)  # [B, N]
     match = draft.tokens[:, 1:] == am[:, :-1]
     accept_len = match.long().cumprod(1).sum(1)  # longest matching prefix
     next_token = am.gather(1, accept_len.view(B, 1)).squeeze(1)
@@ -132,7 +132,7 @@ def verify_greedy_tree(draft: Draft, target_logits: torch.Tensor) -> VerifyResul
     B, N = draft.tokens.shape
     parents = draft.parents
     par = parents.clamp(min=0)  # the root points at itself; it always matches
-    am = target_logits.argmax(-1)
+    am = argmax(target_logits)
     match = draft.tokens == am.gather(1, par)
     match[:, 0] = True
     depths = tree_depths(parents)

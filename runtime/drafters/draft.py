@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..adaptive import MAX_DRAFT_DEPTH, check_int
-from ..sampling import probs_from_logits, sample
+from ..sampling import argmax, probs_from_logits, sample
 from ..target import TargetModel
 from ..tree import Draft
 from .base import DraftContext, Drafter, register_drafter
@@ -53,7 +53,7 @@ class DraftModelDrafter(Drafter):
             self.cache.commit()
             logits = out.logits[:, -1]
             if ctx.sampling.greedy:
-                tok = logits.argmax(-1)
+                tok = argmax(logits)
             else:
                 q = probs_from_logits(logits, ctx.sampling)
                 tok = sample(q, ctx.generator)
