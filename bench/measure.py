@@ -24,7 +24,6 @@ from specfoundry.runtime.lossless import compare_greedy
 from .methods import Method, RunResult
 from .prompts import BenchPrompt
 
-STATUS_OK = ("identical", "near_tie")
 _STAT_KEYS = ("tau", "acceptance_by_position", "tried", "passed", "drafted", "accepted", "target_forwards", "prefill_seconds",
               "draft_seconds", "verify_seconds", "speculative_steps", "plain_steps")
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 __all__ = ["Architecture", "PresetError", "PRESETS", "find_architecture", "resolve_architecture",
-           "architecture_from_config", "preset_names", "cache_root"]
+           "architecture_from_config", "cache_root"]
 
 
 class PresetError(ValueError):
@@ -113,10 +113,6 @@ for _arch, _aliases in (
 ):
     for _a in _aliases:
         PRESETS[_a.lower()] = _arch
-
-
-def preset_names() -> list[str]:
-    return sorted(PRESETS)
 
 
 def architecture_from_config(cfg: dict, name: str = "") -> Architecture:

@@ -121,15 +121,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def float_state(module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """``module.state_dict()`` with floating tensors cast to ``dtype`` (None: as they are)."""
-    out = {}
-    for k, v in module.state_dict().items():
-        v = v.detach()
-        out[k] = v.to(dtype) if (dtype is not None and v.is_floating_point()) else v
-    return out
-
-
 # ------------------------------------------------------------------------------ EAGLE layouts
 
 # Llama decoder-layer keys every EAGLE config in these formats carries (HF LlamaConfig names).

@@ -128,10 +128,6 @@ def parse_entry_params(ptx: str, name: str | None = None) -> tuple[PtxParam, ...
     return tuple(out)
 
 
-def entry_name(ptx: str) -> str:
-    return _entry(ptx).group("name")
-
-
 def strip_trailing_params(ptx: str, name: str, count: int) -> str:
     """Drop the last ``count`` parameters of entry ``name``, refusing if the body references any."""
     m = _entry(ptx, name)

@@ -41,8 +41,6 @@ CONSTEXPRS = ("SCALE", "HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "IEEE_DOT")
 DEFAULT_BLOCK_M = 16
 DEFAULT_BLOCK_N = 32
 
-_LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def tree_attention_kernel(
