@@ -150,7 +150,8 @@ def external_method(name: str, depth: int | None, target, target_source: str, wo
             # the engine's own check of the T>0 bug (docs/vllm-cpu-t1-bug.md); report.py marks the
             # rows as not target samples unless it passed
             method.note += (f"; T={temperature:g}: {VLLM_T1_OK} in the engine" if ec["ok"] else
-                            f"; T={temperature:g}: the engine's expand_batch_to_tokens returned {ec['observed'][:3]}... "
+                            f"; T={temperature:g}: the engine's expand_batch_to_tokens returned "
+                            f"{[float(f'{v:.2g}') for v in ec['observed'][:3]]}... "
                             f"for temperatures {ec['input']['x']} (vLLM CPU bug, {VLLM_T1_DOC})")
         return [RunResult(r["token_ids"], r["seconds"], r.get("stats")) for r in out["results"]]
 
