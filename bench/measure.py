@@ -19,6 +19,7 @@ import zlib
 
 from tqdm import tqdm
 
+from specfoundry.runtime.logs import stderr_logger
 from specfoundry.runtime.lossless import compare_greedy
 
 from .methods import Method, RunResult
@@ -26,15 +27,12 @@ from .prompts import BenchPrompt
 
 _STAT_KEYS = ("tau", "acceptance_by_position", "tried", "passed", "drafted", "accepted", "target_forwards", "prefill_seconds",
               "draft_seconds", "verify_seconds", "speculative_steps", "plain_steps")
+_log = stderr_logger("bench")
 
 
 def unit_seed(seed: int, repeat: int, prompt: BenchPrompt, turn: int) -> int:
     """The sampling seed of one prompt turn (the same for every method)."""
     return (seed + 7919 * repeat + zlib.crc32(f"{prompt.key}:{prompt.question_id}:{turn}".encode())) % (2**31)
-
-
-def _log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 def check_output(target, method: Method, prompt_ids, out: RunResult, ref: RunResult | None, temperature: float) -> dict:

@@ -1,9 +1,10 @@
-"""The one progress log of the training data pipeline.
+"""The one stderr progress log.
 
-Scope: :func:`stderr_logger`, which the data modules (:mod:`.data`, :mod:`.prompts`,
-:mod:`.generation`) use for their one-line progress messages, prefixed with the module name
-(``[specfoundry.train.data] ...``) and flushed at once so they interleave correctly with
-progress bars.
+Scope: :func:`stderr_logger`, which the training data modules (``specfoundry.train.data``,
+``.prompts``, ``.generation``) and the benchmark (``specfoundry.bench.measure``) use for their
+one-line progress messages, prefixed with a name (``[specfoundry.train.data] ...``,
+``[bench] ...``) and flushed at once so they interleave correctly with progress bars. In the
+runtime because every layer may import the runtime (train and bench may not import each other).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # the modules the tidy-up split (recipes, plan, training data) and the runtime's chat encoder
 SPLIT_MODULES = ["train/recipe.py", "train/recipe_schema.py", "train/recipe_checks.py", "train/recipe_errors.py",
                  "train/launcher.py", "train/plan.py", "train/plan_memory.py", "train/data.py", "train/prompts.py",
-                 "train/generation.py", "train/datacache.py", "train/logs.py", "runtime/chat.py"]
+                 "train/generation.py", "train/datacache.py", "runtime/logs.py", "runtime/chat.py"]
 
 
 def test_every_section_is_a_strict_pydantic_model():

@@ -22,11 +22,12 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from specfoundry.runtime.logs import stderr_logger
+
 # (re-exported names: features.py and older callers import them from here)
 from .datacache import (ChunkReport, GenStats, dtype_name, model_fingerprint, resolve_dtype,  # noqa: F401
                         save_dataset_atomic, stable_hash)
 from .generation import DEFAULT_RESPONSES, ChatFormat, generate_batched, responses_key_base, self_distill  # noqa: F401
-from .logs import stderr_logger
 from .prompts import MAGPIE_DEFAULTS, load_prompts
 
 __all__ = ["build_dataset", "make_example", "split_eval", "TRAIN_FEATURES", "ChatFormat", "ChunkReport", "GenStats",

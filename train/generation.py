@@ -30,10 +30,10 @@ from typing import Sequence
 import torch
 
 from specfoundry.runtime.chat import encode_chat, encode_text
+from specfoundry.runtime.logs import stderr_logger
 from specfoundry.runtime.sampling import SamplingParams, sample_batch
 
 from .datacache import ChunkReport, GenStats, cached_chunks, dtype_name, model_fingerprint, resolve_dtype, stable_hash
-from .logs import stderr_logger
 
 __all__ = ["ChatFormat", "model_in_dtype", "generation_model", "generate_batched", "self_distill",
            "DEFAULT_RESPONSES", "responses_key_base"]

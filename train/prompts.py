@@ -25,11 +25,12 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from specfoundry.runtime.logs import stderr_logger
+
 from . import generation as _generation
 from . import topics as _topics
 from .datacache import ChunkReport, GenStats, cached_chunks, dtype_name, model_fingerprint, resolve_dtype, stable_hash
 from .generation import ChatFormat, generation_model
-from .logs import stderr_logger
 
 
 _log = stderr_logger(__name__)
