@@ -14,7 +14,9 @@ from importlib.metadata import entry_points
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+# "auto": the dtype whose plain decoding is fastest on this machine, measured at load (runtime/autodtype.py)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64,
+          "auto": "auto"}
 
 
 def _add_generate(sub) -> None:
@@ -32,7 +34,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--nodes", type=int, default=None, help="max draft-tree nodes incl. the root")
     p.add_argument("--no-adaptive", action="store_true", help="always draft at --depth")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
+                   help="auto (default): the dtype whose plain decoding is fastest here, measured at load")
     p.add_argument("--backend", default="auto", choices=["auto", "engine", "hf"],
                    help="decoding path: the static-cache engine (auto: where the architecture allows) or HF's")
     p.add_argument("--compare", action="store_true", help="also run plain decoding and compare")

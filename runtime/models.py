@@ -182,23 +182,42 @@ def wrap_target(model, tokenizer=None, name: str | None = None, backend: str = "
 
 
 def load_target(name_or_path: str = DEFAULT_TARGET, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
+                dtype: torch.dtype | str = torch.float32, attn_implementation: str = "sdpa",
                 backend: str = "auto", revision: str | None = None) -> TargetModel:
     """Load a target: a built-in name (``smollm2-135m``), a local HF causal-LM directory, or a Hub
     id (``org/name``, optionally pinned to ``revision``) through the standard HF cache.
 
-    ``backend`` picks the decoding path (:func:`wrap_target`); the HF model is ``target.model``."""
+    ``backend`` picks the decoding path (:func:`wrap_target`); the HF model is ``target.model``.
+    ``dtype="auto"``: the dtype whose plain decoding is fastest here (:mod:`.autodtype`; one line
+    on stderr says what was measured)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    auto = isinstance(dtype, str)
+    if auto and dtype != "auto":
+        raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
     adapter = Path(name_or_path).expanduser()
     if (adapter / "adapter_config.json").exists() and (adapter / "specfoundry_base.json").exists():
         return _load_adapter_target(adapter, device, dtype, attn_implementation, backend)
     path, display = resolve_target_path(name_or_path, revision)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                                 use_safetensors=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if auto else dtype,
+                                                 attn_implementation=attn_implementation, use_safetensors=True)
     model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
-    return wrap_target(model, tokenizer, name=display, backend=backend)
+    if not auto:
+        return wrap_target(model, tokenizer, name=display, backend=backend)
+    return _auto_dtype_target(model, tokenizer, display, backend)
+
+
+def _auto_dtype_target(model, tokenizer, name: str, backend: str) -> TargetModel:
+    from . import autodtype
+
+    def wrap(m):
+        return wrap_target(m, tokenizer, name=name, backend=backend)
+
+    dtype, info = autodtype.choose(model, wrap, next(model.parameters()).device)
+    print(autodtype.describe(name, dtype, info), file=sys.stderr)
+    target = info.get("target")
+    return target if target is not None else wrap(model.to(dtype))
 
 
 def _load_adapter_target(adapter: Path, device, dtype, attn_implementation, backend) -> TargetModel:
@@ -210,5 +229,7 @@ def _load_adapter_target(adapter: Path, device, dtype, attn_implementation, back
 
     base = json.loads((adapter / "specfoundry_base.json").read_text())["base"]
     t = load_target(base, device=device, dtype=torch.float32, attn_implementation=attn_implementation, backend="hf")
-    merged = PeftModel.from_pretrained(t.model, str(adapter)).merge_and_unload().to(device, dtype)
-    return wrap_target(merged, t.tokenizer, name=f"{base}+{adapter.name}", backend=backend)
+    merged = PeftModel.from_pretrained(t.model, str(adapter)).merge_and_unload().to(device)
+    if isinstance(dtype, str):
+        return _auto_dtype_target(merged, t.tokenizer, f"{base}+{adapter.name}", backend)
+    return wrap_target(merged.to(dtype), t.tokenizer, name=f"{base}+{adapter.name}", backend=backend)

@@ -82,8 +82,8 @@ def test_layer_subset_draft_keeps_chosen_layers(tiny_target):
 
 
 def test_cli_generate_compare_json(smollm2, capsys):
-    code = cli_main(["generate", "--drafter", "ngram", "--prompt", "Say hello three times.", "--max-new-tokens", "16",
-                     "--compare", "--json"])
+    code = cli_main(["generate", "--drafter", "ngram", "--dtype", "float32", "--prompt", "Say hello three times.",
+                     "--max-new-tokens", "16", "--compare", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0
     assert out["identical"] is True and len(out["token_ids"]) <= 16

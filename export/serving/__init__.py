@@ -28,7 +28,7 @@ hf_draft   plain HF model directory + tokenizer (our        draft
 =========  ===============================================  ======================================
 
 Not in scope: ONNX graphs and TensorRT engines (``specfoundry.export.onnx`` / ``.trt``), and
-launching the engines (``tools/check_vllm.py`` serves a vLLM export end to end).
+launching the engines (``specfoundry check-vllm``, ``bench/check_vllm.py``, serves a vLLM export end to end).
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ def register(subparsers) -> None:
     p.add_argument("--speculator", default="ngram",
                    help="speculator checkpoint dir (e.g. runs/eagle3-smollm2-135m/speculator), a drafter type "
                         "(ngram, ...), a draft-model dir, or 'none' for plain decoding")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
+                   help="auto (default): the dtype whose plain decoding is fastest here, measured at load")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
