@@ -60,7 +60,7 @@ def test_guard_stopped_stages_are_recorded_and_reported(tmp_path, tiny_target_di
         "name": "tiny-guarded", "method": "medusa1", "output_dir": str(tmp_path / "run"),
         "target": {"name": str(tiny_target_dir), "dtype": "fp32", "device": "cpu"},
         "speculator": {"num_heads": 2, "draft_vocab_size": 256},  # (reduced-vocabulary Medusa end to end too)
-        # 12 prompts - 3 held out = 9 examples planned, in chunks of 2: the guard fires after the first
+        # 12 prompts - 3 held out = 9 examples planned, in chunks of 6: the guard fires after the first
         "data": {"prompts": [{"source": "file", "path": str(prompts), "limit": 12}],
                  "responses": {"max_new_tokens": 8, "batch_size": 2, "dtype": "fp32"},
                  "max_seq_len": 64, "eval_prompts": 3, "hidden_states": "offline", "max_minutes": 5,
@@ -74,7 +74,7 @@ def test_guard_stopped_stages_are_recorded_and_reported(tmp_path, tiny_target_di
     path = tmp_path / "tiny-guarded.yaml"
     path.write_text(yaml.safe_dump(recipe))
 
-    monkeypatch.setitem(generation.DEFAULT_RESPONSES, "chunk_size", 2)  # (recipes do not set it)
+    monkeypatch.setitem(generation.DEFAULT_RESPONSES, "chunk_size", 6)  # (recipes do not set it)
     data_clock, eval_clock = _JumpingClock(), _JumpingClock()
     monkeypatch.setattr(datacache, "time", data_clock)
     real_generate = generation.generate_batched
@@ -102,8 +102,8 @@ def test_guard_stopped_stages_are_recorded_and_reported(tmp_path, tiny_target_di
 
     summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     st = summary["stages"]
-    assert st["data"]["planned"] == 9 and st["data"]["done"] == 2 and st["data"]["stopped_by_guard"]
-    assert st["data"]["guard"] == "data.max_minutes=5" and st["data"]["chunks_skipped"] == 4
+    assert st["data"]["planned"] == 9 and st["data"]["done"] == 6 and st["data"]["stopped_by_guard"]
+    assert st["data"]["guard"] == "data.max_minutes=5" and st["data"]["chunks_skipped"] == 1
     assert st["capture"]["stopped_by_guard"] is False
     assert st["training"] == {"unit": "steps", "planned": 2, "done": 2, "stopped_by_guard": False, "guard": None}
     cells = st["evaluation"]["cells"]
@@ -126,9 +126,21 @@ def test_guard_stopped_stages_are_recorded_and_reported(tmp_path, tiny_target_di
     assert gen.generate(**kw).token_ids == gen.generate(speculate=False, **kw).token_ids
     # the CLI's last line names both stopped stages with planned vs done
     assert out_lines[-1] == summary["guard_report"]
-    assert out_lines[-1] == ("[train] WARNING: guards stopped 2 stages: data 2/9 examples (data.max_minutes=5), "
+    assert out_lines[-1] == ("[train] WARNING: guards stopped 2 stages: data 6/9 examples (data.max_minutes=5), "
                              "evaluation builtin-heldout T=0 1/3 prompts (evaluation.max_minutes=5), "
                              "evaluation builtin-heldout T=1 0/3 prompts (evaluation.max_minutes=5)")
+
+    # a rerun with time to spare continues from the cache and trains on the whole plan (the
+    # dataset's cache key covers every prompt done, not a truncated view of the first 5: with 6
+    # done and 9 planned both views began with the same 5 and the 6-example dataset came back)
+    monkeypatch.undo()
+    monkeypatch.setitem(generation.DEFAULT_RESPONSES, "chunk_size", 6)
+    monkeypatch.setattr(evaluate, "time", _time)
+    args.overwrite = True
+    assert run_train(args) == 0
+    again = json.loads((tmp_path / "run" / "train_summary.json").read_text())["stages"]
+    assert (again["data"]["planned"], again["data"]["done"], again["data"]["stopped_by_guard"]) == (9, 9, False)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "[train] all stages ran as planned"
 
 
 def test_training_stage_stopped_by_its_guard_or_by_a_fitted_schedule():

@@ -136,7 +136,9 @@ def build_dataset(prompt_sources: list[dict], target, *, responses_cfg: dict | N
     _log(f"response chunks: {report.computed} generated, {report.reused} reused from {cache_dir}"
          + (f", {report.skipped} skipped (max_minutes={max_minutes} reached)" if report.skipped else ""))
 
-    done_prompts = distilled["prompt"] if distilled is not None else []
+    # a plain list: a datasets Column would be hashed by its truncated repr (its first 5 prompts),
+    # and a rerun that generated more responses would reuse the smaller dataset of the first run
+    done_prompts = list(distilled["prompt"]) if distilled is not None else []
     key = stable_hash("dataset-v1", responses_key_base(target, {**DEFAULT_RESPONSES, **(responses_cfg or {})}, seed),
                       max_seq_len, loss_on_prompt, done_prompts)[:16]
     out = cache_dir / "datasets" / key
