@@ -78,6 +78,9 @@ def test_partitioned_target_holds_half_per_rank_and_matches_a_whole_load(tmp_pat
         assert p["fraction_this_rank"] == pytest.approx(0.5, abs=0.01)
         # whole copies beside the partitions: the LM head (in the model) and the embedding
         assert p["whole_copy_elements"] == 2 * o["lm_head"]
+        # fp32: what this rank holds of the target, against the whole target
+        assert p["bytes_this_rank"] == 4 * (p["elements_this_rank"] + p["whole_copy_elements"])
+        assert p["whole_target_bytes"] == 4 * o["whole_params"]
         assert o["fingerprint"] == o["whole_fingerprint"] and o["identity"] == o["whole_identity"]
         assert o["same_hidden"] and o["lm_head_same"] and o["embed_same"]
     assert outs[0]["partition"]["elements_this_rank"] + outs[1]["partition"]["elements_this_rank"] \

@@ -351,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[target] rank {part['rank']}/{part['world']}: {part['elements_this_rank']} of "
               f"{part['partitioned_elements']} partitioned target elements ({part['fraction_this_rank']:.3f}), "
               f"{part['whole_copy_elements']} in whole copies (LM head, embedding), "
-              f"{part['bytes_this_rank'] / 1e6:.1f} MB of target weights here", file=sys.stderr, flush=True)
+              f"{part['bytes_this_rank'] / 1e6:.1f} MB of target weights here (the whole target: "
+              f"{part['whole_target_bytes'] / 1e6:.1f} MB)", file=sys.stderr, flush=True)
 
     val_ds = None
     if recipe.training.eval_every:

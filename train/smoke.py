@@ -23,7 +23,8 @@ swapped (what the machine cannot hold)
   - tracking: W&B offline.
 
 kept: method, speculator options (EAGLE-3 draft vocabulary and its d2t/t2d logic, Medusa heads,
-LoRA and its merge, KD loss), ZeRO stage and the target placement, online/offline hidden states,
+LoRA and its merge, KD loss), ZeRO stage and the target placement (``zero3``: the tiny target is
+really partitioned over the 2 processes, train/zero3_target.py), online/offline hidden states,
 ``ttt_steps``, ``grad_accum``, gradient checkpointing, checkpointing, evaluation temperatures and
 depth, and the export of the result (``specfoundry export`` of the serving formats).
 

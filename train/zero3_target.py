@@ -127,17 +127,20 @@ def partition_stats(model, world: int, rank: int) -> dict:
     """Elements this rank holds of the target's partitioned parameters (``ds_tensor``), of all of
     them (``ds_numel``), and of the whole copies kept beside them."""
     held = total = whole = 0
-    nbytes = 0
+    nbytes = whole_target = 0
     for p in model.parameters():
         if _is_partitioned(p):
             held += p.ds_tensor.numel()
             total += p.ds_numel
             nbytes += p.ds_tensor.numel() * p.ds_tensor.element_size()
+            whole_target += p.ds_numel * p.ds_tensor.element_size()
         else:
             whole += p.numel()
             nbytes += p.numel() * p.element_size()
+            whole_target += p.numel() * p.element_size()
     return {"world": world, "rank": rank, "partitioned_elements": total, "elements_this_rank": held,
-            "fraction_this_rank": held / max(total, 1), "whole_copy_elements": whole, "bytes_this_rank": nbytes}
+            "fraction_this_rank": held / max(total, 1), "whole_copy_elements": whole, "bytes_this_rank": nbytes,
+            "whole_target_bytes": whole_target}
 
 
 def load_partitioned_target(recipe, device: str) -> PartitionedTarget:
@@ -182,7 +185,9 @@ def load_partitioned_target(recipe, device: str) -> PartitionedTarget:
     model.model.eval()
     world, rank = dist.get_world_size(), dist.get_rank()
     stats = partition_stats(model, world, rank)
-    stats["whole_copy_elements"] += whole_embed.weight.numel() if whole_lm.weight is not whole_embed.weight else 0
+    if whole_lm.weight is not whole_embed.weight:  # the embedding copy lives beside the model, not in it
+        stats["whole_copy_elements"] += whole_embed.weight.numel()
+        stats["bytes_this_rank"] += whole_embed.weight.numel() * whole_embed.weight.element_size()
     return PartitionedTarget(model, base.tokenizer, base.name, engine=engine, embed=whole_embed.requires_grad_(False),
                              fingerprint=fingerprint, stats=stats)
 
