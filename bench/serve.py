@@ -12,6 +12,14 @@ token (p50/p99), τ from the responses' ``usage.speculative_decoding``. Every le
 requests and seconds and stops by itself. ``--soak SECONDS`` adds a mixed-load run against the
 load-aware server (concurrency changing every 15 s, one stream in ten abandoned mid-way) that
 counts errors and reports the server's resident memory at start and end.
+
+``--peers vllm`` (issue 12) adds vLLM CPU's OpenAI-compatible server from ``.venv-vllm`` as two
+more modes, ``vllm-off`` (the target alone) and ``vllm-on`` (with our EAGLE-3 head exported to
+vLLM's format, ``num_speculative_tokens`` = ``--depth``): same target directory, dtype, max batch
+and threads, driven by the same clients and prompts within the same level loop
+(:mod:`specfoundry.bench.vllm_server`). All requests are greedy (T=0). A peer whose venv is absent
+(or, for ``vllm-on``, without an eagle3 speculator) is listed as unavailable with the reason and
+the rest runs; one that fails to start is listed with its error (exit code 1).
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ def register(subparsers) -> None:
     p.add_argument("--depth", type=int, default=3, help="draft depth of the always-on mode")
     p.add_argument("--data", default=None, help="prompt JSONL (default: Spec-Bench when ../shared has it)")
     p.add_argument("--modes", default="off,on,load-aware")
+    p.add_argument("--peers", default="", help="other servers under the same load: vllm (= vllm-off,vllm-on), "
+                                               "vllm-off, vllm-on; needs .venv-vllm (SPECFOUNDRY_VLLM_VENV)")
     p.add_argument("--soak", type=float, default=0.0, help="seconds of mixed load after the sweep (0 = none)")
     p.add_argument("--max-batch", type=int, default=0, help="server batch size (default: the largest concurrency)")
     p.add_argument("--out", default=None, help="output directory (default: runs/bench-serve/<timestamp>)")
@@ -67,11 +77,14 @@ def _model_id(url: str) -> str:
     return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
 
 
-async def _one(client, url: str, messages: list[dict], max_tokens: int, speculate: bool,
+async def _one(client, url: str, messages: list[dict], max_tokens: int, speculate: bool | None,
                abandon_after: int | None = None) -> dict:
-    """One streamed chat completion; timings from the client's side."""
+    """One streamed chat completion; timings from the client's side. ``speculate`` None: the
+    field is not sent (a server that does not know it, e.g. vLLM)."""
     body = {"model": _MODELS[url], "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "speculate": speculate}
+            "stream_options": {"include_usage": True}}
+    if speculate is not None:
+        body["speculate"] = speculate
     t0 = time.perf_counter()
     first = None
     chunks = 0
@@ -102,7 +115,7 @@ async def _one(client, url: str, messages: list[dict], max_tokens: int, speculat
 
 
 async def _level(url: str, prompts: list[list[dict]], concurrency: int, requests: int, seconds: float,
-                 max_tokens: int, speculate: bool) -> dict:
+                 max_tokens: int, speculate: bool | None) -> dict:
     """``concurrency`` closed-loop clients until ``requests`` finished or ``seconds`` passed."""
     import httpx
 
@@ -126,7 +139,7 @@ async def _level(url: str, prompts: list[list[dict]], concurrency: int, requests
     forwards = sum(r["forwards"] or 0 for r in results)
     return {
         "concurrency": concurrency, "requests": len(results), "errors": len(errors), "error_samples": errors[:3],
-        "seconds": wall, "output_tok_s": tokens / wall if wall else 0.0,
+        "seconds": wall, "tokens": tokens, "output_tok_s": tokens / wall if wall else 0.0,
         "tau": tokens / forwards if forwards else None,
         "latency_p50": _percentile([r["latency"] for r in results], 0.5),
         "latency_p99": _percentile([r["latency"] for r in results], 0.99),
@@ -218,11 +231,16 @@ def _plot(levels: dict, path: Path) -> Path | None:
     return _save(plt, fig, path)
 
 
+def _baseline(mode: str) -> str:
+    """The "off" row a mode's "vs off" ratio divides by: the same server family's."""
+    return "vllm-off" if mode.startswith("vllm") else "off"
+
+
 def _table(levels: dict) -> str:
     lines = ["| clients | mode | tok/s | vs off | τ | latency p50/p99 s | TTFT p50/p99 s | TPOT p50/p99 ms | done | errors |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     conc = sorted({r["concurrency"] for rows in levels.values() for r in rows})
-    off = {r["concurrency"]: r["output_tok_s"] for r in levels.get("off", [])}
+    offs = {b: {r["concurrency"]: r["output_tok_s"] for r in levels.get(b, [])} for b in ("off", "vllm-off")}
 
     def f(x, s="{:.2f}"):
         return "-" if x is None else s.format(x)
@@ -232,6 +250,7 @@ def _table(levels: dict) -> str:
             r = next((r for r in rows if r["concurrency"] == c), None)
             if r is None:
                 continue
+            off = offs[_baseline(mode)]
             ratio = r["output_tok_s"] / off[c] if off.get(c) else None
             lines.append(f"| {c} | {mode} | {r['output_tok_s']:.1f} | {f(ratio)}x | {f(r['tau'])} | "
                          f"{f(r['latency_p50'])}/{f(r['latency_p99'])} | {f(r['ttft_p50'])}/{f(r['ttft_p99'])} | "
@@ -242,12 +261,14 @@ def _table(levels: dict) -> str:
 
 def main(args) -> int:
     from ..runtime.serving.launch import serve_subprocess
+    from . import vllm_server
 
     levels_c = [int(c) for c in args.concurrency.split(",")]
-    modes = [m.strip() for m in args.modes.split(",")]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(modes) - {"off", "on", "load-aware"}
     if unknown:
         raise SystemExit(f"unknown mode(s) {sorted(unknown)}: choose from off, on, load-aware")
+    peer_modes = vllm_server.peer_modes(getattr(args, "peers", ""))
     speculator = args.speculator or (str(DEFAULT_RUN) if (DEFAULT_RUN / "config.json").exists() else "ngram")
     data = args.data or (str(SPEC_BENCH) if SPEC_BENCH.exists() else None)
     prompts = [[{"role": "user", "content": p.turns[0]}] for p in select(load_prompts(data), None, None)]
@@ -258,7 +279,13 @@ def main(args) -> int:
     common = ["--target", args.target, "--speculator", speculator, "--dtype", args.dtype, "--threads",
               str(args.threads), "--max-batch", str(max_c), "--max-queue", str(max_c)]
     print(f"bench-serve: {args.target} ({args.dtype}, {args.threads} threads) + {speculator}; levels {levels_c}; "
-          f"modes {modes}; {len(prompts)} prompts from {data or 'the built-in set'}", flush=True)
+          f"modes {modes + peer_modes}; {len(prompts)} prompts from {data or 'the built-in set'}", flush=True)
+    peers = vllm_server.availability(peer_modes, args.dtype, speculator)
+    for mode, st in peers.items():
+        print(f"  peer {mode}: " + (f"vLLM {st['version']} ({st['python']})" if st["available"]
+                                     else f"unavailable: {st['reason']}"), flush=True)
+    if not modes and not any(st["available"] for st in peers.values()):
+        raise SystemExit("nothing to measure: no mode of ours and no available peer")
     from contextlib import ExitStack
 
     levels: dict[str, list] = {m: [] for m in modes}
@@ -267,22 +294,63 @@ def main(args) -> int:
         on = stack.enter_context(serve_subprocess(common + ["--speculation-table", f"1-:{args.depth}"])) \
             if "on" in modes else None
         urls = {"off": aware, "on": on, "load-aware": aware}
-        for url in {u for u in urls.values() if u}:
+        speculate = {"off": False, "on": True, "load-aware": True}
+        for mode, st in peers.items():
+            if not st["available"]:
+                continue
+            try:
+                head = None
+                if mode == "vllm-on":
+                    head = vllm_server.export_head(args.target, speculator, args.depth, out / "vllm_speculator")
+                    st["head"] = str(head)
+                print(f"  starting {mode} (vLLM, log {out / (mode + '.log')}) ...", flush=True)
+                t0 = time.perf_counter()
+                urls[mode] = stack.enter_context(vllm_server.vllm_server(
+                    mode, model=str(vllm_server.target_dir(args.target)), dtype=args.dtype, max_num_seqs=max_c,
+                    threads=args.threads, head_dir=head, depth=args.depth, log=out / f"{mode}.log"))
+                st.update(started=True, startup_seconds=round(time.perf_counter() - t0, 1), log=str(out / f"{mode}.log"))
+            except (RuntimeError, TimeoutError, OSError, ValueError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                st.update(started=False, error=first, log=str(out / f"{mode}.log"))
+                print(f"  peer {mode}: failed to start: {first}", flush=True)
+                continue
+            speculate[mode] = None  # vLLM does not know our per-request field
+            levels[mode] = []
+        run_modes = [m for m in levels]
+        for url in {urls[m] for m in run_modes}:
             _MODELS[url] = _model_id(url)
         # one warm-up request per server (first-call costs are not load)
-        for url in {u for u in urls.values() if u}:
-            asyncio.run(_level(url, prompts, 1, 1, 60, 8, True))
+        for url in {urls[m] for m in run_modes}:
+            asyncio.run(_level(url, prompts, 1, 1, 60, 8, True if url in (aware, on) else None))
         for c in levels_c:
             n = args.requests or max(2 * c, 6)
-            for mode in modes:
-                row = asyncio.run(_level(urls[mode], prompts, c, n, args.level_seconds, args.max_tokens, mode != "off"))
+            for mode in run_modes:
+                before = vllm_server.spec_counters(urls[mode]) if mode == "vllm-on" else None
+                row = asyncio.run(_level(urls[mode], prompts, c, n, args.level_seconds, args.max_tokens,
+                                         speculate[mode]))
+                if before is not None:
+                    vllm_server.add_tau(row, before, vllm_server.spec_counters(urls[mode]))
                 levels[mode].append(row)
                 print(f"  {c:>3} clients  {mode:<10} {row['output_tok_s']:7.1f} tok/s  tau {row['tau'] or 0:.2f}  "
                       f"done {row['requests']}  errors {row['errors']}", flush=True)
         soak = asyncio.run(_soak(aware, prompts, args.soak, args.max_tokens, max_c)) if args.soak and aware else None
-    report = {"args": vars(args) | {"func": None}, "speculator": speculator, "levels": levels, "soak": soak}
+    report = {"args": vars(args) | {"func": None}, "speculator": speculator, "levels": levels, "peers": peers,
+              "soak": soak}
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     md = [f"# bench-serve: {args.target} + {speculator}", "", _table(levels)]
+    if peers:
+        md += ["", f"Peers (T=0 only; vs off: against the same server's off row; vLLM τ = output tokens / "
+                   f"(spec-decode drafts + requests) from its /metrics, max-num-seqs {max_c}, {args.dtype}, "
+                   f"{args.threads} threads):"]
+        for mode, st in peers.items():
+            if not st["available"]:
+                md.append(f"- {mode}: unavailable: {st['reason']}")
+            elif not st.get("started"):
+                md.append(f"- {mode}: failed to start: {st['error']} (log {st['log']})")
+            else:
+                md.append(f"- {mode}: vLLM {st['version']} OpenAI server, started in {st['startup_seconds']} s"
+                          + (f", our EAGLE-3 head exported to {st['head']}, num_speculative_tokens {args.depth}"
+                             if mode == "vllm-on" else ", no speculation"))
     if soak:
         md += ["", f"soak {soak['seconds']:.0f} s: completed {soak['completed']}, abandoned {soak['abandoned']}, "
                    f"errors {soak['errors']}, RSS {soak['rss_start_mb']} -> {soak['rss_end_mb']} MB "
@@ -293,4 +361,5 @@ def main(args) -> int:
     print("\n".join(md[2:]))
     print(f"report: {out / 'report.md'}" + (f", plot: {plot}" if plot else ""))
     errors = sum(r["errors"] for rows in levels.values() for r in rows) + (soak["errors"] if soak else 0)
-    return 1 if errors else 0
+    failed = sum(1 for st in peers.values() if st["available"] and not st.get("started"))
+    return 1 if errors or failed else 0
