@@ -128,6 +128,8 @@ def _check_target_partitioned(run: Path, summary: dict, stderr: str):
         assert 2 * r["elements_this_rank"] >= r["partitioned_elements"] > 1.9 * r["elements_this_rank"]
         assert r["partitioned_elements"] == total - whole.lm_head.weight.numel()
         assert f"[target] rank {r['rank']}/2: {r['elements_this_rank']} of {r['partitioned_elements']}" in stderr
+    # the whole target of the data phase and the partitioned one were freed when their phase ended
+    assert "[target] warning" not in stderr, [ln for ln in stderr.splitlines() if "[target] warning" in ln]
 
 
 def test_zero3_placement_trains_what_replicate_placement_trains(smoke_70b, tmp_path):

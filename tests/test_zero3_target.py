@@ -17,7 +17,7 @@ from specfoundry.train.recipe import load_recipe, resolve
 from specfoundry.train.smoke import smoke_overrides
 
 SCRIPT = textwrap.dedent('''
-    import json, os, sys, torch, torch.distributed as dist
+    import gc, json, os, sys, weakref, torch, torch.distributed as dist
     dist.init_process_group("gloo")
     from specfoundry.runtime import load_target
     from specfoundry.train.features import HiddenStateSource
@@ -40,7 +40,11 @@ SCRIPT = textwrap.dedent('''
            "same_hidden": same, "lm_head_same": bool((t.lm_head.weight == w.lm_head.weight).all()),
            "embed_same": bool((t.embed_tokens.weight == w.embed_tokens.weight).all()),
            "whole_params": sum(p.numel() for p in w.model.parameters()), "lm_head": w.lm_head.weight.numel()}
-    release(t)
+    part_ref = weakref.ref(next(t.model.model.layers[0].parameters()).ds_tensor)
+    del feats, src
+    out["released"] = release(t)
+    gc.collect()
+    out["partition_freed"] = part_ref() is None
     with open(os.path.join(sys.argv[2], f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
@@ -83,5 +87,6 @@ def test_partitioned_target_holds_half_per_rank_and_matches_a_whole_load(tmp_pat
         assert p["whole_target_bytes"] == 4 * o["whole_params"]
         assert o["fingerprint"] == o["whole_fingerprint"] and o["identity"] == o["whole_identity"]
         assert o["same_hidden"] and o["lm_head_same"] and o["embed_same"]
+        assert o["released"] and o["partition_freed"]  # release() really frees the partitions
     assert outs[0]["partition"]["elements_this_rank"] + outs[1]["partition"]["elements_this_rank"] \
         >= outs[0]["partition"]["partitioned_elements"]

@@ -344,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     data_seconds = time.perf_counter() - t_data
     if zero3:
         train_ds, heldout = share_dataset(acc, train_ds, heldout)
-        if target is not None:
-            release(target)
+        if target is not None and not release(target):
+            print("[target] warning: the whole target is still referenced after the data phase; its memory stays "
+                  "in use during training", file=sys.stderr, flush=True)
         target = load_partitioned_target(recipe, dev)
         part = target.partition
         print(f"[target] rank {part['rank']}/{part['world']}: {part['elements_this_rank']} of "
@@ -419,7 +420,9 @@ def main(argv: list[str] | None = None) -> int:
 
         partition = gather_object([target.partition])  # every rank's share, for the summary
         # saving and the final evaluation run in the main process alone: the whole target there
-        release(target)
+        if not release(target):
+            print("[target] warning: the partitioned target is still referenced after training; its memory stays "
+                  "in use", file=sys.stderr, flush=True)
         target = load_whole_target(recipe, dev) if acc.is_main_process else None
     result = {"recipe": recipe.name, "command": " ".join(["specfoundry", "train", *sys.argv[1:]]),
               "sequences": len(train_ds), "tokens_trained": summary["tokens"], "steps": summary["global_step"],

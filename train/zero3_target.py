@@ -226,17 +226,48 @@ def _gathered_fingerprint(model, embed) -> str:
     return probe.fingerprint()
 
 
-def release(target) -> None:
-    """Free a partitioned target: the engine's hooks removed, the partitions dropped."""
+def release(target) -> bool:
+    """Free a target this module loaded (partitioned: the engine's hooks removed, the partitions
+    dropped; whole: its HF model dropped). Returns whether the HF model (and a partition) are gone
+    after a garbage collection (False: something still references them, their memory stays in use)."""
+    import weakref
+
+    model = getattr(target, "model", None)
+    if model is None:
+        return True
+    gone = weakref.ref(model)
+    part = next((p.ds_tensor for p in model.parameters() if _is_partitioned(p)), None)
+    part_gone = weakref.ref(part) if part is not None else None
+    del part
     engine = getattr(target, "engine", None)
     if engine is not None:
         with contextlib.suppress(Exception):  # best effort: the memory is what matters
             engine.destroy()
         target.engine = None
+        # DeepSpeed appends an engine's top module to this global stack at setup and never takes it
+        # off: left there it keeps the whole partitioned model (and its partitions) alive
+        from deepspeed.runtime.zero import parameter_offload
+
+        stack = parameter_offload.FWD_MODULE_STACK
+        stack[:] = [m for m in stack if m is not getattr(model, "model", None)]
+        # and a class-level functools.lru_cache on the coordinator's __params_to_release keeps every
+        # (coordinator, submodule) it saw: cleared (a cache: other engines just recompute it)
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+        fn = getattr(PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__params_to_release", None)
+        for _ in range(3):  # under DeepSpeed's instrument_w_nvtx wrapper (a closure, no __wrapped__)
+            if fn is None or hasattr(fn, "cache_clear"):
+                break
+            inner = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if callable(c.cell_contents)]
+            fn = getattr(fn, "__wrapped__", None) or (inner[0] if inner else None)
+        if fn is not None and hasattr(fn, "cache_clear"):
+            fn.cache_clear()
     target.model = None
+    del model, engine
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return gone() is None and (part_gone is None or part_gone() is None)
 
 
 def load_whole_target(recipe, device: str):
