@@ -1,7 +1,7 @@
 """train/zero3_target.py on CPU: 2 processes (torchrun, gloo) load the smoke run's tiny Llama-shaped
 target partitioned by ZeRO-3; each must hold half of every parameter but the LM head, report the
 whole load's fingerprint and identity, and give bit-identical hidden states (through the training
-run's hidden-state source) to a whole load. ~15 s."""
+run's hidden-state source) to a whole load, in fp32 and bf16. ~15 s each."""
 
 import json
 import os
@@ -27,7 +27,8 @@ SCRIPT = textwrap.dedent('''
     r = resolve(load_recipe("eagle-llama3-70b", overrides=json.loads(sys.argv[1])))
     assert is_zero3_placement(r)
     t = load_partitioned_target(r, "cpu")
-    w = load_target(r.target.name, dtype=torch.float32, backend="hf")
+    w = load_target(r.target.name, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[r.target.dtype], backend="hf")
+    assert t.dtype == w.dtype
     assert isinstance(t, PartitionedTarget)
     rows = [{"id": i, "input_ids": list(range(3 + i, 20 + 2 * i)), "loss_mask": [True] * (17 + i)} for i in range(3)]
     feats = {}
@@ -51,12 +52,14 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_partitioned_target_holds_half_per_rank_and_matches_a_whole_load(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_partitioned_target_holds_half_per_rank_and_matches_a_whole_load(tmp_path, dtype):
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)
     overrides = dict(kv.split("=", 1) for kv in smoke_overrides("eagle-llama3-70b"))
     overrides = {k: (json.loads(v) if v[:1] in "[{" or v in ("null", "true", "false") or v.lstrip("-").isdigit()
                      else v) for k, v in overrides.items()}
+    overrides["target.dtype"] = dtype  # bf16: zero.Init builds the partitions in the target's dtype
     assert resolve(load_recipe("eagle-llama3-70b", overrides=overrides)).target.placement == "zero3"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     with socket.socket() as s:
@@ -82,9 +85,10 @@ def test_partitioned_target_holds_half_per_rank_and_matches_a_whole_load(tmp_pat
         assert p["fraction_this_rank"] == pytest.approx(0.5, abs=0.01)
         # whole copies beside the partitions: the LM head (in the model) and the embedding
         assert p["whole_copy_elements"] == 2 * o["lm_head"]
-        # fp32: what this rank holds of the target, against the whole target
-        assert p["bytes_this_rank"] == 4 * (p["elements_this_rank"] + p["whole_copy_elements"])
-        assert p["whole_target_bytes"] == 4 * o["whole_params"]
+        # what this rank holds of the target, against the whole target
+        size = {"fp32": 4, "bf16": 2}[dtype]
+        assert p["bytes_this_rank"] == size * (p["elements_this_rank"] + p["whole_copy_elements"])
+        assert p["whole_target_bytes"] == size * o["whole_params"]
         assert o["fingerprint"] == o["whole_fingerprint"] and o["identity"] == o["whole_identity"]
         assert o["same_hidden"] and o["lm_head_same"] and o["embed_same"]
         assert o["released"] and o["partition_freed"]  # release() really frees the partitions
