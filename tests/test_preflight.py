@@ -70,6 +70,12 @@ def test_devices_and_memory_against_the_plan():
     ok = _by_name(preflight(r, cuda_probe=_probe(8)))
     assert ok["devices"].status == "ok" and ok["memory"].status == "ok", ok["memory"].detail
     assert "target partitioned by ZeRO-3: 21.6 GB of its 141.1 GB per process" in ok["memory"].detail
+    # ... and the main process's phases with the whole target fit spread over the 8 GPUs (17.6 + 2 GB each)
+    main = ok["main-process memory"]
+    assert main.status == "ok" and "whole 141.1 GB target over this machine's 8 GPUs" in main.detail
+    assert "~19.6 GB per GPU" in main.detail
+    tight = _by_name(preflight(r, cuda_probe=_probe(8, free_gb=60)))  # training fits 54 GB; data phase fits too
+    assert tight["memory"].status == "ok" and tight["main-process memory"].status == "ok"
     # the same recipe with the target whole in every process (replicate) does not fit 80 GB
     rep = _by_name(preflight(load_recipe("eagle-llama3-70b", {"target.placement": "replicate"}), cuda_probe=_probe(8)))
     assert rep["memory"].status == "fail" and "GB per device" in rep["memory"].detail
@@ -83,6 +89,18 @@ def test_devices_and_memory_against_the_plan():
     two = load_recipe("eagle-llama3-70b", overrides={"launcher.num_processes": 16, "launcher.num_machines": 2,
                                                      "launcher.config": "multinode-example"})
     assert _by_name(preflight(two, cuda_probe=_probe(8)))["devices"].status == "ok"
+
+
+def test_zero3_main_process_phases_need_the_whole_target_on_one_machine():
+    """The whole 70B target (data generation, final evaluation in the main process) fits 8 x 80 GB
+    spread by device_map, not one 80 GB GPU: that machine is refused with the reason."""
+    from specfoundry.train.plan import make_plan
+    from specfoundry.train.preflight import _main_process_check
+
+    plan = make_plan(load_recipe("eagle-llama3-70b"))
+    assert _main_process_check(plan, [(80 * GB, 80 * GB)] * 8).status == "ok"
+    one = _main_process_check(plan, [(80 * GB, 80 * GB)])
+    assert one.status == "fail" and "on its one GPU" in one.detail and "~143.1 GB per GPU" in one.detail
 
 
 def test_hub_target_offline_and_not_cached_is_the_hub_line(offline_hub):

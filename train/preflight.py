@@ -194,7 +194,22 @@ def _device_checks(recipe, plan, cuda_probe) -> list[Check]:
             least = min(f for f, _ in mem[:local])
             out.append(Check("memory", "ok", f"~{need / GB:.1f} GB per device needed{note}, at least {least / GB:.1f} "
                                              "GB free"))
+        if plan is not None and plan.placement == "zero3" and plan.world_size > 1:
+            out.append(_main_process_check(plan, mem))
     return out
+
+
+def _main_process_check(plan, mem) -> Check:
+    """zero3 placement: the main process alone holds the whole target for data generation, saving
+    and the final evaluation (train/zero3_target.py), spread over all of this machine's GPUs
+    (device_map) when it has several; a rough check of the weights against their free memory."""
+    n = len(mem)
+    per = plan.target_weight_bytes / n + plan.memory.overhead
+    least = min(f for f, _ in mem)
+    where = f"over this machine's {n} GPUs" if n > 1 else "on its one GPU"
+    text = (f"the main process holds the whole {plan.target_weight_bytes / GB:.1f} GB target {where} for data "
+            f"generation and the final evaluation: ~{per / GB:.1f} GB per GPU, at least {least / GB:.1f} GB free")
+    return Check("main-process memory", "ok" if per <= least else "fail", text)
 
 
 # --------------------------------------------------------------------------------------------
