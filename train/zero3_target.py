@@ -38,6 +38,23 @@ __all__ = ["is_zero3_placement", "target_deepspeed_config", "PartitionedTarget",
            "load_whole_target", "release", "gathered", "partition_stats", "share_dataset"]
 
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@contextlib.contextmanager
+def _plain_hf_init():
+    """HF models built and loaded whole while this block runs, whatever ZeRO-3 config is set (the
+    same as train.run.plain_hf_init, which this module cannot import: run imports it)."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    ref = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = ref
+
+
 def is_zero3_placement(recipe) -> bool:
     """True when the run partitions the frozen target (resolved placement ``zero3``, ZeRO stage 3,
     more than one process) -- the plan's own rule (:func:`specfoundry.train.plan._placement`)."""
@@ -156,7 +173,7 @@ def load_partitioned_target(recipe, device: str) -> PartitionedTarget:
     if not deepspeed.comm.is_initialized():  # DeepSpeed's view of the process group accelerate made
         deepspeed.init_distributed(dist_backend=dist.get_backend())
     cfg = target_deepspeed_config(recipe)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[recipe.target.dtype]
+    dtype = _DTYPES[recipe.target.dtype]
     prev = hf_ds._hf_deepspeed_config_weak_ref
     dschf = HfDeepSpeedConfig(cfg)  # transformers builds and loads under deepspeed.zero.Init while it lives
     try:
@@ -275,12 +292,10 @@ def load_whole_target(recipe, device: str):
     generation, saving, the final evaluation) in a zero3-placement run: spread over the machine's
     GPUs with ``device_map="auto"`` when ``device`` is CUDA and there are several (a 70B target
     fits 8 x 80 GB, not one), else on ``device`` as the replicate path loads it."""
-    from .run import _dtype, plain_hf_init
-
     from specfoundry.runtime import load_target
 
-    dtype = _dtype(recipe.target.dtype)
-    with plain_hf_init():
+    dtype = _DTYPES[recipe.target.dtype]
+    with _plain_hf_init():
         if str(device).startswith("cuda") and torch.cuda.device_count() > 1:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
