@@ -159,7 +159,8 @@ def build_dataset(prompt_sources: list[dict], target, *, responses_cfg: dict | N
         save_dataset_atomic(Dataset.from_dict(cols, features=TRAIN_FEATURES()), out)
     ds = load_from_disk(str(out))
     if stats is not None:
-        asked = [s.get("count", MAGPIE_DEFAULTS["count"]) if s.get("source") == "magpie" else s.get("limit") for s in prompt_sources]
+        asked = [s.get("count", MAGPIE_DEFAULTS["count"]) if s.get("source") == "magpie" else s.get("limit")
+                 for s in prompt_sources]
         asked_total = sum(asked) if all(a is not None for a in asked) else None
         stats.update(prompts_asked=asked_total, prompts=len(prompts), held_out=len(held_out), to_distill=len(fits),
                      chunks_skipped=report.skipped, examples=len(ds),

@@ -67,6 +67,10 @@ def evaluation_stage(measured: dict, asked: dict[str, int], max_minutes) -> dict
             "guard": _guard("evaluation.max_minutes", max_minutes)}
 
 
+def _why(stage: dict) -> str:
+    return f" ({stage['guard']})" if stage.get("guard") else ""
+
+
 def stopped_stages(stages: dict) -> list[str]:
     """``"<stage> <done>/<planned> <unit> (<guard>)"`` for every stage (evaluation: cell) the
     guard stopped, and the evaluation cells measured on fewer prompts than asked."""
@@ -74,11 +78,11 @@ def stopped_stages(stages: dict) -> list[str]:
     for name in ("data", "capture", "training"):
         st = stages.get(name)
         if st and st.get("stopped_by_guard"):
-            out.append(f"{name} {st['done']}/{st['planned']} {st['unit']}" + (f" ({st['guard']})" if st.get("guard") else ""))
+            out.append(f"{name} {st['done']}/{st['planned']} {st['unit']}" + _why(st))
     ev = stages.get("evaluation") or {}
     for cell, st in (ev.get("cells") or {}).items():
         if st.get("stopped_by_guard"):
-            out.append(f"evaluation {cell} {st['done']}/{st['planned']} prompts" + (f" ({st['guard']})" if st.get("guard") else ""))
+            out.append(f"evaluation {cell} {st['done']}/{st['planned']} prompts" + _why(st))
         elif st["done"] < st["planned"]:
             out.append(f"evaluation {cell} {st['done']}/{st['planned']} prompts (fewer in the set)")
     return out
