@@ -310,7 +310,10 @@ def main(args) -> int:
                     threads=args.threads, head_dir=head, depth=args.depth, log=out / f"{mode}.log"))
                 st.update(started=True, startup_seconds=round(time.perf_counter() - t0, 1), log=str(out / f"{mode}.log"))
             except (RuntimeError, TimeoutError, OSError, ValueError) as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                head_line, _, tail = (str(exc).strip() or type(exc).__name__).partition("\n")
+                last = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+                # the launcher's "<what happened>: <command>\n<log tail>" as what happened + the log's last line
+                first = head_line.split(": ", 1)[0] + f": {last[-1][:300]}" if last else head_line
                 st.update(started=False, error=first, log=str(out / f"{mode}.log"))
                 print(f"  peer {mode}: failed to start: {first}", flush=True)
                 continue

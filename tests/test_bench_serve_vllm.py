@@ -1,7 +1,7 @@
 """``specfoundry bench-serve --peers vllm`` without vLLM: the peer's code path, end to end.
 
 A fake ``.venv-vllm`` (``SPECFOUNDRY_VLLM_VENV``) whose ``bin/python`` answers ``import vllm`` and,
-for ``-m vllm.entrypoints.cli.main serve ...``, runs a small stdlib HTTP server that speaks the
+for ``-m vllm.entrypoints.openai.api_server ...``, runs a small stdlib HTTP server that speaks the
 part of vLLM's OpenAI API the bench uses (``/health`` with an empty 200 body, ``/v1/models``,
 streamed ``/v1/chat/completions`` with a usage chunk, ``/metrics`` spec-decode counters) and
 starts a child "engine core" process, as vLLM does. It records its command line, environment,
@@ -27,14 +27,14 @@ pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 FAKE_VLLM = r'''
-import json, math, os, subprocess, sys
+import json, math, os, subprocess, sys, threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 argv = sys.argv[1:]
-assert argv[:3] == ["-m", "vllm.entrypoints.cli.main", "serve"], argv
-model = argv[3]
+assert argv[:2] == ["-m", "vllm.entrypoints.openai.api_server"], argv
 def opt(name):
     return argv[argv.index(name) + 1] if name in argv else None
+model = opt("--model")
 spec = json.loads(opt("--speculative-config") or "null")
 record = os.environ["FAKE_VLLM_RECORD"] + (".on" if spec else ".off") + ".json"
 worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # the "engine core"
@@ -42,10 +42,12 @@ state = {"argv": argv, "pid": os.getpid(), "worker_pid": worker.pid, "bodies": [
          "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND",
                                                 "VLLM_CPU_KVCACHE_SPACE")}}
 counters = {"drafts": 0, "accepted": 0, "drafted": 0}
+lock = threading.Lock()  # requests are handled in threads
 def dump():
-    with open(record + ".tmp", "w") as f:
+    with lock, open(record + ".tmp", "w") as f:
         json.dump(state, f)
-    os.replace(record + ".tmp", record)
+        f.close()
+        os.replace(record + ".tmp", record)
 dump()
 if os.environ.get("FAKE_VLLM_FAIL"):
     print("fake vLLM: startup failed on purpose", flush=True)
@@ -74,14 +76,15 @@ class H(BaseHTTPRequestHandler):
             self.send(404)
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        state["bodies"].append(body)
-        dump()
         n = int(body["max_tokens"])
-        if spec:  # two tokens per step after the prefill step
-            d = math.ceil((n - 1) / 2)
-            counters["drafts"] += d
-            counters["accepted"] += (n - 1) - d
-            counters["drafted"] += d * spec["num_speculative_tokens"]
+        with lock:
+            state["bodies"].append(body)
+            if spec:  # two tokens per step after the prefill step
+                d = math.ceil((n - 1) / 2)
+                counters["drafts"] += d
+                counters["accepted"] += (n - 1) - d
+                counters["drafted"] += d * spec["num_speculative_tokens"]
+        dump()
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()  # HTTP/1.0: the body ends when the connection closes
@@ -190,7 +193,7 @@ def test_vllm_peer_command_rows_tau_and_teardown(tiny, fake_venv, tmp_path):
     off, on = _record(fake_venv, "off"), _record(fake_venv, "on")
     for rec in (off, on):
         argv = rec["argv"]
-        assert argv[3] == str(target_dir)  # the same local target directory our server loads
+        assert argv[argv.index("--model") + 1] == str(target_dir)  # the same local target directory our server loads
         assert argv[argv.index("--host") + 1] == "127.0.0.1"
         assert argv[argv.index("--dtype") + 1] == "float32"
         assert argv[argv.index("--max-num-seqs") + 1] == "2"  # = our --max-batch (largest concurrency)
@@ -271,7 +274,8 @@ def test_vllm_peer_that_fails_to_start_is_reported(tiny, fake_venv, tmp_path, mo
     assert bench_serve.main(args) == 1
     report = json.loads((out / "report.json").read_text())
     assert report["peers"]["vllm-off"]["started"] is False
-    assert "exited with code 3" in report["peers"]["vllm-off"]["error"]
+    err = report["peers"]["vllm-off"]["error"]
+    assert err == "the server exited with code 3: fake vLLM: startup failed on purpose"
     assert "startup failed on purpose" in (out / "vllm-off.log").read_text()
-    assert "- vllm-off: failed to start: the server exited with code 3" in (out / "report.md").read_text()
+    assert f"- vllm-off: failed to start: {err}" in (out / "report.md").read_text()
     assert _gone(_record(fake_venv, "off")["worker_pid"])
