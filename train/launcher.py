@@ -251,3 +251,30 @@ def deepspeed_config_for(recipe, hidden_size: int | None = None) -> dict | None:
     if left:
         raise ValueError(f"DeepSpeed config {recipe.launcher.deepspeed!r}: no recipe value for 'auto' keys {left}")
     return cfg
+
+
+PG_TIMEOUT_ENV = "SPECFOUNDRY_PROCESS_GROUP_TIMEOUT_MIN"
+DEFAULT_PG_TIMEOUT_MIN = 720
+
+
+def process_group_kwargs(env=os.environ) -> dict:
+    """Process-group settings of a multi-process run: gloo without CUDA (accelerate picks no
+    backend for DeepSpeed/DDP then), and a long collective timeout: the main process generates
+    the self-distilled data (hours for the 70B recipe) while the other ranks wait at a barrier,
+    which the default 10-30 min would abort. ``$SPECFOUNDRY_PROCESS_GROUP_TIMEOUT_MIN`` overrides
+    the 12 h default."""
+    from datetime import timedelta
+
+    import torch  # here: this module imports no torch at import time
+
+    raw = env.get(PG_TIMEOUT_ENV, str(DEFAULT_PG_TIMEOUT_MIN))
+    try:
+        minutes = float(raw)
+    except ValueError:
+        minutes = -1.0
+    if not minutes > 0 or minutes != minutes or minutes == float("inf"):
+        raise ValueError(f"{PG_TIMEOUT_ENV} must be a positive number of minutes, got {raw!r}")
+    out = {"timeout": timedelta(minutes=minutes)}
+    if not torch.cuda.is_available():
+        out["backend"] = "gloo"
+    return out

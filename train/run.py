@@ -40,14 +40,14 @@ def make_accelerator(recipe):
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
+    from .launcher import process_group_kwargs
     from .recipe import deepspeed_config_for
 
     kwargs = {"gradient_accumulation_steps": recipe.training.grad_accum}
     if recipe.tracking.wandb_mode != "disabled":
         kwargs["log_with"] = "wandb"
-    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # without CUDA, accelerate picks no process-group backend for DeepSpeed/DDP: use gloo
-        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(**process_group_kwargs())]
     ds = deepspeed_config_for(recipe)
     if ds is not None:
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds, zero3_init_flag=False)
