@@ -18,3 +18,11 @@ def test_timeout_override_and_bad_values():
     for bad in ("0", "-5", "soon", "nan", "inf"):
         with pytest.raises(ValueError, match=PG_TIMEOUT_ENV):
             process_group_kwargs({PG_TIMEOUT_ENV: bad})
+
+
+def test_summary_command_names_train_once():
+    from specfoundry.train.run import _command_line
+
+    assert _command_line(["/x/specfoundry", "train", "eagle3-smollm2-135m", "--overwrite"]) == \
+        "specfoundry train eagle3-smollm2-135m --overwrite"
+    assert _command_line(["/x/specfoundry/train/__main__.py", "eagle3-smollm2-135m"]) == "specfoundry train eagle3-smollm2-135m"

@@ -36,6 +36,13 @@ def plain_hf_init():
         hf_ds._hf_deepspeed_config_weak_ref = ref
 
 
+def _command_line(argv: list[str]) -> str:
+    """The ``specfoundry train ...`` line that reruns this run: argv is ``[specfoundry, train, ...]``
+    from the CLI and ``[-m module, recipe, ...]`` under accelerate/torchrun."""
+    rest = argv[2:] if len(argv) > 1 and argv[1] == "train" else argv[1:]
+    return " ".join(["specfoundry", "train", *rest])
+
+
 def make_accelerator(recipe):
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
@@ -424,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             print("[target] warning: the partitioned target is still referenced after training; its memory stays "
                   "in use", file=sys.stderr, flush=True)
         target = load_whole_target(recipe, dev) if acc.is_main_process else None
-    result = {"recipe": recipe.name, "command": " ".join(["specfoundry", "train", *sys.argv[1:]]),
+    result = {"recipe": recipe.name, "command": _command_line(sys.argv),
               "sequences": len(train_ds), "tokens_trained": summary["tokens"], "steps": summary["global_step"],
               "train_seconds": summary["seconds"], "data_seconds": data_seconds, "wandb_mode": mode,
               "final_metrics": summary["history"][-1] if summary["history"] else {}}
