@@ -1,4 +1,4 @@
-"""Multi-process runs get a collective timeout long enough for the main process's data stage."""
+"""Multi-process runs get a collective timeout long enough for the main process's data stage; the run summary's command line."""
 
 from datetime import timedelta
 
