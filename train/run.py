@@ -8,7 +8,6 @@ Run directory ``runs/<recipe>/``: ``recipe.resolved.yaml``, ``checkpoints/``, ``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import math
@@ -19,21 +18,6 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-
-
-@contextlib.contextmanager
-def plain_hf_init():
-    """Build and load HF models as ordinary modules even when a ZeRO-3 run is active: transformers
-    would otherwise wrap their construction in ``deepspeed.zero.Init``, a collective that only the
-    main process (saving, evaluating) would enter, and hang there."""
-    from transformers.integrations import deepspeed as hf_ds
-
-    ref = hf_ds._hf_deepspeed_config_weak_ref
-    hf_ds.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_ds._hf_deepspeed_config_weak_ref = ref
 
 
 def _command_line(argv: list[str]) -> str:
@@ -309,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     # is trained and the hidden states are consumed
     dev = recipe.target.device
     dev = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if dev == "cuda" else dev
-    from .zero3_target import is_zero3_placement, load_partitioned_target, load_whole_target, release, share_dataset
+    from .zero3_target import (is_zero3_placement, load_partitioned_target, load_whole_target, plain_hf_init, release,
+                               share_dataset)
 
     zero3 = is_zero3_placement(recipe)
     if zero3:

@@ -42,9 +42,10 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @contextlib.contextmanager
-def _plain_hf_init():
-    """HF models built and loaded whole while this block runs, whatever ZeRO-3 config is set (the
-    same as train.run.plain_hf_init, which this module cannot import: run imports it)."""
+def plain_hf_init():
+    """Build and load HF models as ordinary modules even when a ZeRO-3 run is active: transformers
+    would otherwise wrap their construction in ``deepspeed.zero.Init``, a collective that only the
+    main process (saving, evaluating) would enter, and hang there."""
     from transformers.integrations import deepspeed as hf_ds
 
     ref = hf_ds._hf_deepspeed_config_weak_ref
@@ -295,7 +296,7 @@ def load_whole_target(recipe, device: str):
     from specfoundry.runtime import load_target
 
     dtype = _DTYPES[recipe.target.dtype]
-    with _plain_hf_init():
+    with plain_hf_init():
         if str(device).startswith("cuda") and torch.cuda.device_count() > 1:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 

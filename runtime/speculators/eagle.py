@@ -43,6 +43,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from ..engine import MaskBuffer, PreparedLinears, StaticKVCache, attend, rotate
 from ..target import additive_mask
+from .vocab import set_draft_vocab
 from .eagle_layers import (
     LLAMA_LAYER_SCHEMA,
     Eagle1DecoderLayer,
@@ -411,17 +412,7 @@ class Eagle3Head(_EagleBase):
 
     def set_draft_vocab(self, token_ids) -> None:
         """Set the draft vocabulary: ``token_ids`` (target ids, distinct, ``draft_vocab_size`` of them)."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long).view(-1).to(self.d2t.device)
-        V = self.architecture["vocab_size"]
-        if ids.numel() != self.draft_vocab_size:
-            raise ValueError(f"need {self.draft_vocab_size} draft token ids, got {ids.numel()}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
-            raise ValueError(f"draft token ids must lie in [0, {V})")
-        if ids.unique().numel() != ids.numel():
-            raise ValueError("draft token ids must be distinct")
-        self.d2t.copy_(ids)
-        self.t2d.zero_()
-        self.t2d[ids] = True
+        set_draft_vocab(self.d2t, self.t2d, token_ids, self.architecture["vocab_size"])
 
     def fuse_features(self, features):
         features = features.to(self.device, self.dtype)

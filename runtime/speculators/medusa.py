@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .eagle import seeded_init
+from .vocab import set_draft_vocab
 
 __all__ = ["ResBlock", "MedusaHeads", "default_medusa_choices"]
 
@@ -106,17 +107,7 @@ class MedusaHeads(nn.Module):
         them). The heads' ``lm_head`` rows are not touched (see :meth:`from_target`)."""
         if self.draft_to_target is None:
             raise ValueError("these Medusa heads cover the full vocabulary (no draft_vocab_size): nothing to map")
-        ids = torch.as_tensor(token_ids, dtype=torch.long).view(-1).to(self.d2t.device)
-        V = self.architecture["vocab_size"]
-        if ids.numel() != self.draft_vocab_size:
-            raise ValueError(f"need {self.draft_vocab_size} draft token ids, got {ids.numel()}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
-            raise ValueError(f"draft token ids must lie in [0, {V})")
-        if ids.unique().numel() != ids.numel():
-            raise ValueError("draft token ids must be distinct")
-        self.d2t.copy_(ids)
-        self.t2d.zero_()
-        self.t2d[ids] = True
+        set_draft_vocab(self.d2t, self.t2d, token_ids, self.architecture["vocab_size"])
 
     @classmethod
     def tensor_problems(cls, tensors: dict, arch: dict | None) -> list[tuple[str, str]]:
