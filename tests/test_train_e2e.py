@@ -9,30 +9,18 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from specfoundry.runtime import SpeculativeGenerator, load_drafter, load_target
-from specfoundry.runtime.models import builtin_model_dir
 from specfoundry.runtime.speculators import read_config
+from tiny_models import TINY_PROMPTS, tiny_target_with_smollm2_tokenizer
 
-PROMPTS = ["Write a haiku about rain.", "What is 2 + 2?", "Name three colors.", "Explain gravity briefly.",
-           "Give me a synonym for happy.", "Translate 'cat' to French.", "List two prime numbers.",
-           "What is the capital of Italy?", "Say hello politely.", "Describe a cat in one sentence.",
-           "Count to five.", "Why is the sea salty?"]
+PROMPTS = TINY_PROMPTS
 
 
 @pytest.fixture(scope="module")
 def tiny_target_dir(tmp_path_factory, smollm2):
-    d = tmp_path_factory.mktemp("tiny-target")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=smollm2.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=2)
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    AutoTokenizer.from_pretrained(builtin_model_dir("smollm2-135m")).save_pretrained(d)
-    return d
+    return tiny_target_with_smollm2_tokenizer(tmp_path_factory.mktemp("tiny-target"), smollm2.vocab_size)
 
 
 def _recipe(tmp_path, target_dir, hidden_states="offline", **launcher) -> Path:

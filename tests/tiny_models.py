@@ -29,3 +29,25 @@ def perturbed_copy(t, scale: float, seed: int = 123):
         for p in m.parameters():
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale * p.std().clamp(min=1e-3))
     return wrap_target(m, name=f"{t.name}-perturbed", backend=getattr(t, "backend", "hf"))
+
+
+TINY_PROMPTS = ["Write a haiku about rain.", "What is 2 + 2?", "Name three colors.", "Explain gravity briefly.",
+                "Give me a synonym for happy.", "Translate 'cat' to French.", "List two prime numbers.",
+                "What is the capital of Italy?", "Say hello politely.", "Describe a cat in one sentence.",
+                "Count to five.", "Why is the sea salty?"]
+
+
+def tiny_target_with_smollm2_tokenizer(d, vocab_size: int):
+    """A tiny random Llama saved in ``d`` with SmolLM2's tokenizer (and vocabulary size), so recipes
+    run their whole path (chat template, Magpie, generation) on it in seconds."""
+    from transformers import AutoTokenizer
+
+    from specfoundry.runtime.models import builtin_model_dir
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    AutoTokenizer.from_pretrained(builtin_model_dir("smollm2-135m")).save_pretrained(d)
+    return d
