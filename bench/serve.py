@@ -170,7 +170,7 @@ async def _soak(url: str, prompts: list[list[dict]], seconds: float, max_tokens:
         rss_start = await _rss(client, url)
         t0 = time.perf_counter()
         t_end = t0 + seconds
-        rss_samples = [(0.0, rss_start)]  # (seconds into the soak, MB) after every phase
+        rss_samples = [(0.0, rss_start, 0)]  # (seconds into the soak, MB, concurrency) after every phase
         i = 0
         while time.perf_counter() < t_end:
             c = rng.choice([1, 2, 4, max_c])
@@ -189,7 +189,8 @@ async def _soak(url: str, prompts: list[list[dict]], seconds: float, max_tokens:
                         counts["abandoned" if r.get("abandoned") else "completed"] += 1
 
             await asyncio.gather(*(worker() for _ in range(c)))
-            rss_samples.append((round(time.perf_counter() - t0, 1), await _rss(client, url)))
+            # the phase's concurrency beside it: a level seen for the first time brings new shapes
+            rss_samples.append((round(time.perf_counter() - t0, 1), await _rss(client, url), c))
         await asyncio.sleep(1.0)  # let abandoned streams' slots free
         health = (await client.get(url + "/health")).json()
         rss_end = await _rss(client, url)
@@ -200,7 +201,7 @@ async def _soak(url: str, prompts: list[list[dict]], seconds: float, max_tokens:
 def rss_trend(samples: list[tuple[float, float | None]]) -> dict:
     """Growth of resident memory over a soak, split in halves: warm-up growth (new shapes, caches)
     lands in the first half; a leak keeps growing in the second. MB per minute over the second half."""
-    pts = [(t, mb) for t, mb in samples if mb is not None]
+    pts = [(t, mb) for t, mb, *_ in samples if mb is not None]
     if len(pts) < 3:
         return {"rss_first_half_mb": None, "rss_second_half_mb": None, "rss_second_half_mb_per_min": None}
     mid = pts[-1][0] / 2

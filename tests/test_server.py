@@ -525,11 +525,16 @@ def test_soak_rss_trend_separates_warm_up_from_growth():
     assert leak["rss_second_half_mb_per_min"] == pytest.approx(40.0)
     # a server without the process collector reports nothing rather than a made-up trend
     assert rss_trend([(0, None), (15, None)])["rss_second_half_mb"] is None
+    # samples may carry the phase's concurrency as a third field
+    assert rss_trend([(0, 1000.0, 0), (15, 1100.0, 4), (30, 1100.0, 8)])["rss_first_half_mb"] == 100.0
 
 
 def test_serve_bounds_the_shape_keyed_kernel_caches_unless_the_user_set_them():
-    from specfoundry.runtime.serving.cli import NATIVE_CACHES, bound_native_caches
+    from specfoundry.runtime.serving.cli import NATIVE_CACHE_CAPACITY, NATIVE_CACHES, bound_native_caches
 
+    env = {}
+    assert bound_native_caches(env=env) == {name: str(NATIVE_CACHE_CAPACITY) for name in NATIVE_CACHES}
+    assert NATIVE_CACHE_CAPACITY <= 64  # the bound a varied-prompt probe measured flat
     env = {}
     assert bound_native_caches(256, env) == {name: "256" for name in NATIVE_CACHES}
     env = {"LRU_CACHE_CAPACITY": "2048"}  # the user's choice wins

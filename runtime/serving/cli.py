@@ -17,9 +17,9 @@ PARENT_ENV = "SPECFOUNDRY_SERVE_PARENT_PID"  # set by launch.serve_subprocess: e
 # oneDNN's primitive cache and ideep's LRU cache of the packed-weight kernels are keyed by shape and
 # hold 1024 entries each by default. A server sees a new row count at nearly every prefill (each
 # prompt length), so its resident memory grew for as long as new lengths arrived (measured: +1.7 MB
-# per request, +750 MB in a 10-minute soak; the same prompt repeated stays flat). Bounded here, the
-# hot decode shapes stay cached and a churned prefill shape costs one primitive creation.
-NATIVE_CACHE_CAPACITY = 256
+# per request, +750 MB in a 10-minute soak; the same prompt repeated stays flat; flat with 64). Bounded
+# here, the hot decode shapes stay cached and a churned prefill shape costs one primitive creation.
+NATIVE_CACHE_CAPACITY = 64
 NATIVE_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
