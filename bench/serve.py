@@ -198,8 +198,9 @@ async def _soak(url: str, prompts: list[list[dict]], seconds: float, max_tokens:
             "rss_end_mb": rss_end, "rss_samples": rss_samples, **rss_trend(rss_samples), "health_after": health}
 
 
-def rss_trend(samples: list[tuple[float, float | None]]) -> dict:
-    """Growth of resident memory over a soak, split in halves: warm-up growth (new shapes, caches)
+def rss_trend(samples: list[tuple]) -> dict:
+    """Growth of resident memory over a soak from ``(seconds, MB or None, ...)`` samples, split in
+    halves: warm-up growth (new shapes, caches)
     lands in the first half; a leak keeps growing in the second. MB per minute over the second half."""
     pts = [(t, mb) for t, mb, *_ in samples if mb is not None]
     if len(pts) < 3:

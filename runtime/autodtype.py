@@ -21,9 +21,6 @@ import torch
 
 from .engine import best_seconds
 
-AUTO = "auto"
-CANDIDATES = (torch.float32, torch.bfloat16)
-
 
 def _available_bytes() -> int | None:
     try:
@@ -39,7 +36,7 @@ def _available_bytes() -> int | None:
 def plain_step_seconds(target, reps: int = 5, past: int = 64) -> float:
     """Best time of one plain decode step (one new token after ``past`` cached ones)."""
     gen = torch.Generator().manual_seed(0)
-    cache = target.new_cache(capacity=past + 8) if hasattr(target, "new_cache") else None
+    cache = target.new_cache(capacity=past + 8)
     target.forward(torch.randint(0, target.vocab_size, (1, past), generator=gen), cache)
     cache.commit()
     ids = torch.randint(0, target.vocab_size, (1, 1), generator=gen)
