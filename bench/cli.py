@@ -174,7 +174,8 @@ def run_cli(args) -> int:
     print(f"[bench] weight-streaming floor: {floor['read_gbs']:.1f} GB/s, {floor['weight_bytes'] / 1e6:.0f} MB "
           f"-> {floor['floor_ms']:.1f} ms per token", file=sys.stderr)
     raw = run_bench(target, prompts, methods, temperatures=temps, max_new_tokens=args.max_new_tokens,
-                    repeats=args.repeats, seed=args.seed, stop_at_eos=not args.ignore_eos, progress=not args.no_progress)
+                    repeats=args.repeats, seed=args.seed, stop_at_eos=not args.ignore_eos, progress=not args.no_progress,
+                    partial=_fresh(out / "records.partial.jsonl"))
     described = [m.describe() | ({"warmup_seconds": raw["warmup_seconds"][m.name]}
                                   if m.name in raw.get("warmup_seconds", {}) else {}) for m in methods]
     raw["floor"] = floor
@@ -184,6 +185,12 @@ def run_cli(args) -> int:
         "datasets": sorted({p.dataset for p in prompts}), "limit": args.limit, "runs": [str(r) for r in args.run],
         "categories": sorted({p.key for p in prompts}), "prompts": len(prompts),
         "turns": sum(len(p.turns) for p in prompts), "device": args.device}, env)
+
+
+def _fresh(path: Path) -> Path:
+    """A records file for this run: an older one in the same directory is removed first."""
+    path.unlink(missing_ok=True)
+    return path
 
 
 def render_existing(out: Path) -> int:

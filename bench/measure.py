@@ -13,9 +13,12 @@ output by :func:`~specfoundry.runtime.lossless.compare_greedy`: ``identical``, `
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 import zlib
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -28,6 +31,15 @@ from .prompts import BenchPrompt
 _STAT_KEYS = ("tau", "acceptance_by_position", "tried", "passed", "drafted", "accepted", "target_forwards", "prefill_seconds",
               "draft_seconds", "verify_seconds", "speculative_steps", "plain_steps")
 _log = stderr_logger("bench")
+
+
+def rss_mb() -> float | None:
+    """This process's resident memory now, in MB (Linux ``/proc``; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def unit_seed(seed: int, repeat: int, prompt: BenchPrompt, turn: int) -> int:
@@ -68,8 +80,13 @@ def make_record(unit: dict, method: Method, out: RunResult, plain: RunResult, or
 
 def run_bench(target, prompts: list[BenchPrompt], methods: list[Method], *, temperatures=(0.0,), max_new_tokens=128,
               repeats: int = 1, seed: int = 0, stop_at_eos: bool = True, warmup_tokens: int = 8,
-              progress: bool = True) -> dict:
-    """Run the benchmark; returns ``{"records": [...], "errors": [...], "seconds": ..., "estimate_seconds": ...}``."""
+              progress: bool = True, partial: Path | None = None) -> dict:
+    """Run the benchmark; returns ``{"records": [...], "errors": [...], "seconds": ..., "estimate_seconds": ...}``.
+
+    Each record carries ``rss_mb``, the process's resident memory right after that call (so a
+    run whose memory grows shows at which prompt and method). With ``partial``, every record is
+    also appended to that JSON-lines file as soon as its prompt turn is done, so a run that is
+    killed keeps what it measured."""
     if not prompts:
         raise ValueError("no prompts selected")
     if not methods or methods[0].kind != "plain":
@@ -108,16 +125,20 @@ def run_bench(target, prompts: list[BenchPrompt], methods: list[Method], *, temp
                     unit = {"temperature": T, "repeat": r, "dataset": p.dataset, "category": p.category,
                             "question_id": p.question_id, "turn": ti, "prompt_tokens": len(ids), "seed": s}
                     k = (pi + ti) % len(others) if others else 0
-                    outs: dict[str, tuple[RunResult, int]] = {}
+                    outs: dict[str, tuple[RunResult, int, float | None]] = {}
                     for m in [plain] + others[k:] + others[:k]:
-                        outs[m.name] = (m.runner(ids, max_new_tokens, T, s, stop_at_eos), order)
+                        outs[m.name] = (m.runner(ids, max_new_tokens, T, s, stop_at_eos), order, rss_mb())
                         order += 1
                     base = outs[plain.name][0]
+                    new = []
                     for m in inter:
-                        out, o = outs[m.name]
+                        out, o, rss = outs[m.name]
                         ref = outs.get(m.reference, (None,))[0]
-                        records.append(make_record(unit, m, out, base, o, check_output(target, m, ids, out, ref, T)))
+                        new.append(make_record(unit, m, out, base, o, check_output(target, m, ids, out, ref, T)) | {"rss_mb": rss})
+                    records += new
+                    _append_partial(partial, new)
                     units.append({**unit, "prompt_ids": ids, "plain": base})
+                    bar.set_postfix(rss_mb=f"{rss_mb() or 0:.0f}", refresh=False)
                     history = messages + [{"role": "assistant", "content": target.decode(base.token_ids)}]
     # out-of-process peers: same prompt ids, one engine per method and temperature
     ext_out: dict[tuple, RunResult] = {}
@@ -136,6 +157,16 @@ def run_bench(target, prompts: list[BenchPrompt], methods: list[Method], *, temp
                 ext_out[(m.name, *key)] = out
                 ref = u["plain"] if m.reference == "plain" else ext_out.get((m.reference, *key))
                 unit = {k: v for k, v in u.items() if k != "plain"}
-                records.append(make_record(unit, m, out, u["plain"], -1, check_output(target, m, u["prompt_ids"], out, ref, T)))
+                rec = make_record(unit, m, out, u["plain"], -1, check_output(target, m, u["prompt_ids"], out, ref, T))
+                records.append(rec)
+                _append_partial(partial, [rec])
     return {"records": records, "errors": errors, "seconds": time.perf_counter() - t_start, "estimate_seconds": est,
             "warmup_seconds": per_call}
+
+
+def _append_partial(path: Path | None, records: list[dict]) -> None:
+    if path is None:
+        return
+    with open(path, "a") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")

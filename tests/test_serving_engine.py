@@ -13,6 +13,8 @@ from tiny_models import perturbed_copy, tiny_llama
 from specfoundry.runtime import SpeculativeGenerator, load_drafter
 from specfoundry.runtime.drafters.draft import DraftModelDrafter
 from specfoundry.runtime.sampling import SamplingParams
+from specfoundry.runtime.serving import slots as slots_module
+from specfoundry.runtime.serving.slots import row_groups
 from specfoundry.runtime.serving import (AcceptanceMonitor, QueueFull, Request, ServingEngine, SlotCache,
                                          SpeculationPolicy, forward_slots, parse_table)
 from specfoundry.runtime.tree import ancestor_matrix, tree_depths
@@ -35,10 +37,26 @@ def solo(target, ps, max_new_tokens=24):
     return [g.generate(prompt_ids=p, max_new_tokens=max_new_tokens, stop_at_eos=False).token_ids for p in ps]
 
 
-def test_slot_forward_matches_solo_forwards_with_unequal_lengths_and_trees(target):
+def test_row_groups_split_where_reading_padded_columns_costs_more_than_a_call():
+    assert row_groups([10, 10, 10], overhead=160) == [(0, 3, 10)]
+    # one long row among short ones gets its own range; the short ones share one
+    assert row_groups([50, 1100, 60, 40], overhead=160) == [(0, 1, 50), (1, 2, 1100), (2, 4, 60)]
+    assert row_groups([50, 1100, 60, 40], overhead=10**6) == [(0, 4, 1100)]
+    assert row_groups([5, 9, 7], overhead=0) == [(0, 1, 5), (1, 2, 9), (2, 3, 7)]
+    assert row_groups([]) == []
+    for cols in ([3], [7, 200, 7, 200, 7], list(range(1, 40))):  # ranges cover every row once, in order
+        g = row_groups(cols)
+        assert [s for s, _, _ in g] == [0] + [e for _, e, _ in g[:-1]] and g[-1][1] == len(cols)
+        assert all(w == max(cols[s:e]) for s, e, w in g)
+
+
+@pytest.mark.parametrize("overhead", [None, 0])  # 0: every row attends in its own range
+def test_slot_forward_matches_solo_forwards_with_unequal_lengths_and_trees(target, overhead, monkeypatch):
     """Rows of different committed lengths, each with its own tree: one batched forward gives each
     row the logits a solo forward of that row gives; committing random accepted paths and running a
     second step still matches a fresh solo computation of the committed sequences."""
+    if overhead is not None:
+        monkeypatch.setattr(slots_module, "GROUP_OVERHEAD_COLUMNS", overhead)
     engine = target._engine()
     gen = torch.Generator().manual_seed(0)
     lens = [4, 11, 1]
@@ -92,9 +110,12 @@ def test_slot_forward_matches_solo_forwards_with_unequal_lengths_and_trees(targe
 
 
 @pytest.mark.parametrize("drafter", ["draft", "eagle3", "medusa", "ngram", None])
-def test_batched_greedy_equals_solo_under_load(target, drafter):
+def test_batched_greedy_equals_solo_under_load(target, drafter, monkeypatch):
     """More requests than slots, submitted from several threads, speculation forced on (table) or
-    chosen by the cost model: every request's greedy output is its solo output."""
+    chosen by the cost model: every request's greedy output is its solo output (with the eagle3
+    drafter, each row attends in its own column range too)."""
+    if drafter == "eagle3":
+        monkeypatch.setattr(slots_module, "GROUP_OVERHEAD_COLUMNS", 0)
     if drafter == "draft":
         d = DraftModelDrafter(perturbed_copy(target, 0.02), depth=4)
     else:

@@ -10,6 +10,11 @@ Each row has its own committed length: a step writes row ``b``'s ``n`` new token
 draft tree, or one token for plain decoding) at ``length[b] .. length[b]+n`` and attends with a
 per-row mask (the row's prefix plus its own tree block). :meth:`SlotCache.commit` keeps the
 accepted nodes of every row with one indexed copy of only the entries that move.
+
+Attention reads only what the rows use: the rows are split into contiguous ranges
+(:func:`row_groups`), each attending over its own longest row's columns, so one long prompt in
+the batch does not make every short row read its width (measured before this: 32 rows with
+prompts of 40-1100 tokens spent 80% of a step in attention over padded, masked columns).
 """
 
 from __future__ import annotations
@@ -97,6 +102,34 @@ class SlotCache:
                 self.kv[:, :, r, :, torch.tensor(src, device=self.kv.device)]
 
 
+# one attention call's fixed cost in row-columns (what one row reading one more cached column costs):
+# ~15 us per SDPA call against ~0.09 us per row-column, bf16, 1 thread, this project's 2-core CPU
+GROUP_OVERHEAD_COLUMNS = 160
+
+
+def row_groups(cols: list[int], overhead: int | None = None) -> list[tuple[int, int, int]]:
+    """Contiguous row ranges ``(start, end, width)`` covering rows ``0..len(cols)-1``, each attending
+    over ``width = max(cols[start:end])`` columns, chosen to minimise the columns read plus
+    ``overhead`` per range (default :data:`GROUP_OVERHEAD_COLUMNS`; exact, by dynamic programming
+    over the split points: O(rows^2))."""
+    overhead = GROUP_OVERHEAD_COLUMNS if overhead is None else overhead
+    B = len(cols)
+    best, cut = [0] + [float("inf")] * B, [0] * (B + 1)
+    for e in range(1, B + 1):
+        w = 0
+        for s in range(e - 1, -1, -1):
+            w = max(w, cols[s])
+            c = best[s] + (e - s) * w + overhead
+            if c < best[e]:
+                best[e], cut[e] = c, s
+    groups, e = [], B
+    while e > 0:
+        s = cut[e]
+        groups.append((s, e, max(cols[s:e])))
+        e = s
+    return groups[::-1]
+
+
 def row_mask(lengths: torch.Tensor, block: torch.Tensor, groups: int) -> torch.Tensor:
     """Bool ``[B, 1, g*n, max(lengths)+n]``: row ``b`` sees its own ``lengths[b]`` committed entries
     and, over its new entries at ``lengths[b] .. lengths[b]+n``, what ``block`` ``[B, n, n]`` allows."""
@@ -124,12 +157,11 @@ def forward_slots(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
         raise ValueError(f"a row would exceed the slot capacity ({cache.capacity} tokens)")
     if block is None:
         block = torch.ones(n, n, dtype=torch.bool, device=engine.device).tril().expand(B, n, n)
-    uniform = bool((lengths == lengths[0]).all())
-    if uniform and n == 1:
-        mask = None  # every row at the same length, one token each: plain causal attention
-    else:
-        mask = row_mask(lengths, block.to(engine.device), engine.groups)
-    cols = int(lengths.max()) + n
+    lens = cache.lengths[:B]
+    groups = row_groups([length + n for length in lens])
+    # a range whose rows are all at one length, one token each, needs no mask (plain causal attention)
+    plain = [n == 1 and min(lens[s:e]) == max(lens[s:e]) for s, e, _ in groups]
+    mask = None if all(plain) else row_mask(lengths, block.to(engine.device), engine.groups)
     rows = torch.arange(B, device=engine.device).view(B, 1).expand(B, n)
     write = lengths.view(B, 1) + torch.arange(n, device=engine.device)
     kv = cache.kv
@@ -139,7 +171,13 @@ def forward_slots(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
         layer = kv[i]
         layer[0][rows, :, write] = k  # [B, n, hkv, D] at each row's own columns
         layer[1][rows, :, write] = v
-        return grouped_attention(q, layer[0, :B, :, :cols], layer[1, :B, :, :cols], mask, engine.scale)
+        if len(groups) == 1:
+            s, e, w = groups[0]
+            return grouped_attention(q, layer[0, :B, :, :w], layer[1, :B, :, :w],
+                                     None if plain[0] else mask[:, :, :, :w], engine.scale)
+        return torch.cat([grouped_attention(q[s:e], layer[0, s:e, :, :w], layer[1, s:e, :, :w],
+                                            None if p else mask[s:e, :, :, :w], engine.scale)
+                          for (s, e, w), p in zip(groups, plain)])
 
     x, feats = engine.run_layers(tokens, cos, sin, attention, feature_layers)
     return engine.finish(x, feats, feature_layers, None)
