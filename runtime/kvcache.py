@@ -65,10 +65,14 @@ class MaskBuffer:
             block = torch.ones(n, n, dtype=torch.bool, device=self.buf.device).tril()
         k = block.shape[-1]
         rows, cols = self.groups * n, past + n
-        if self.buf.shape[0] < B * rows or self.buf.shape[1] < cols:
+        have_rows, have_cols = self.buf.shape
+        if have_rows < B * rows or have_cols < cols:
+            # each side grows only when it is too small (doubling the width whenever the rows grew
+            # made a run of ever longer prompts double the buffer each time: GBs after a few)
+            new_rows = have_rows if have_rows >= B * rows else B * rows
+            new_cols = have_cols if have_cols >= cols else max(cols, 2 * have_cols, 1024)
             with torch.inference_mode():
-                self.buf = torch.ones(max(B * rows, self.buf.shape[0]), max(cols, 2 * self.buf.shape[1], 1024),
-                                      dtype=torch.bool, device=self.buf.device)
+                self.buf = torch.ones(new_rows, new_cols, dtype=torch.bool, device=self.buf.device)
         m = self.buf[: B * rows, :cols].view(B, 1, rows, cols)
         m[:, 0, :, cols - k:].copy_(block.to(m.device).expand(B, n, k).repeat(1, self.groups, 1))
         return m

@@ -10,7 +10,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 
 from tiny_models import tiny_llama
 from specfoundry.runtime import SpeculativeGenerator, load_drafter
-from specfoundry.runtime.engine import KERNELS, EngineTarget, LlamaEngine, StaticKVCache, engine_support
+from specfoundry.runtime.engine import KERNELS, EngineTarget, LlamaEngine, MaskBuffer, StaticKVCache, engine_support
 from specfoundry.runtime.models import wrap_target
 from specfoundry.runtime.target import TargetModel
 from specfoundry.runtime.tree import ancestor_matrix, path_to, tree_depths
@@ -338,3 +338,24 @@ def test_cost_curve_is_measured_once_per_thread_count():
     curve = t.cost_curve(sizes=(1, 4, 16), past=32, reps=1)
     assert set(curve) == {1, 4, 16} and curve[1] == 1.0 and all(v > 0 for v in curve.values())
     assert t.cost_curve(sizes=(1, 4, 16), past=32, reps=1) == curve  # cached, not re-measured
+
+
+def test_mask_buffer_grows_each_side_only_when_too_small():
+    """Regression: a run of ever longer prefills (each needing more rows) doubled the buffer's width
+    every time, so a benchmark of long prompts grew to GBs; now the buffer stays near what the
+    largest request needs, and its masks are still right."""
+    with torch.inference_mode():
+        _mask_buffer_checks()
+
+
+def _mask_buffer_checks():
+    buf = MaskBuffer(groups=3, device=torch.device("cpu"))
+    for n in range(1190, 1215, 5):  # prefills: causal block over n new tokens, nothing cached
+        m = buf.get(None, 1, n, 0)
+        assert m.shape == (1, 1, 3 * n, n)
+        assert torch.equal(m[0, 0, :n], torch.ones(n, n, dtype=torch.bool).tril())
+        buf.release(m, n)
+    assert buf.buf.shape[0] == 3 * 1210 and buf.buf.shape[1] <= 2 * 1210
+    m = buf.get(torch.tensor([[True, False], [True, True]]), 1, 2, 3000)  # a wider one doubles as before
+    assert m.shape == (1, 1, 6, 3002) and buf.buf.shape[1] >= 3002
+    assert m[0, 0, 0, :3000].all() and not m[0, 0, 0, 3001] and m[0, 0, 1, 3001]
