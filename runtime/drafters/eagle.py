@@ -169,10 +169,12 @@ class EagleDrafter(Drafter):
         n_nodes = 1
         front_idx = torch.zeros(1, dtype=torch.long, device=dev)  # node ids of the frontier
         front_h = self._root_hidden  # [m, H]
-        front_score = torch.zeros(1, dtype=torch.float64, device=dev)
+        # scores only rank candidates (every draft is verified): float32, or the head's float64 in tests
+        work = torch.promote_types(self._root_hidden.dtype, torch.float32)
+        front_score = torch.zeros(1, dtype=work, device=dev)
         front_rows = torch.zeros(1, 0, dtype=torch.bool, device=dev)
         for d in range(1, depth + 1):
-            logp = torch.log_softmax(head.compute_logits(front_h).double(), dim=-1)
+            logp = torch.log_softmax(head.compute_logits(front_h).to(work), dim=-1)
             top = logp.topk(k, dim=-1)  # [m, k]
             child_tok = top.indices if d2t is None else d2t[top.indices]
             child_score = (front_score[:, None] + top.values).reshape(-1)
