@@ -395,6 +395,8 @@ def test_default_recipe_fits_the_20_minute_budget():
     assert plan.capture_s is not None and estimate + plan.capture_s <= 20 * 60
     assert sum(caps.values()) + plan.capture_s <= 20 * 60
     assert plan.data_s <= caps["data"], "the data budget would cut the default recipe's prompts"
+    assert plan.train_s <= caps["training"], "the training guard would stop the default recipe's planned steps"
+    assert plan.eval_s <= caps["evaluation"], "the evaluation guard would cut the default recipe's cells"
     assert plan.device == "cpu" and plan.world_size == 1
     long = make_plan(load_recipe("eagle3-smollm2-135m-long"))
     assert sum(long.budget_s.values()) <= 120 * 60
