@@ -115,8 +115,9 @@ async def _one(client, url: str, messages: list[dict], max_tokens: int, speculat
 
 
 async def _level(url: str, prompts: list[list[dict]], concurrency: int, requests: int, seconds: float,
-                 max_tokens: int, speculate: bool | None) -> dict:
-    """``concurrency`` closed-loop clients until ``requests`` finished or ``seconds`` passed."""
+                 max_tokens: int, speculate: bool | None, start: int = 0) -> dict:
+    """``concurrency`` closed-loop clients until ``requests`` finished or ``seconds`` passed, over
+    ``prompts[start:]`` (wrapping around)."""
     import httpx
 
     results, errors = [], []
@@ -130,7 +131,7 @@ async def _level(url: str, prompts: list[list[dict]], concurrency: int, requests
             while next_i < requests and time.perf_counter() < deadline:
                 i = next_i
                 next_i += 1
-                r = await _one(client, url, prompts[i % len(prompts)], max_tokens, speculate)
+                r = await _one(client, url, prompts[(start + i) % len(prompts)], max_tokens, speculate)
                 (errors if "error" in r else results).append(r)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -324,20 +325,24 @@ def main(args) -> int:
         run_modes = [m for m in levels]
         for url in {urls[m] for m in run_modes}:
             _MODELS[url] = _model_id(url)
-        # one warm-up request per server (first-call costs are not load)
+        # one warm-up request per server (first-call costs are not load), with the last prompt; each
+        # level then takes the next unused prompts, the same for every mode: a server with a prefix
+        # cache (vLLM's is on by default) must not be served prompts it has already seen
         for url in {urls[m] for m in run_modes}:
-            asyncio.run(_level(url, prompts, 1, 1, 60, 8, True if url in (aware, on) else None))
+            asyncio.run(_level(url, prompts, 1, 1, 60, 8, True if url in (aware, on) else None, start=len(prompts) - 1))
+        start = 0
         for c in levels_c:
             n = args.requests or max(2 * c, 6)
             for mode in run_modes:
                 before = vllm_server.spec_counters(urls[mode]) if mode == "vllm-on" else None
                 row = asyncio.run(_level(urls[mode], prompts, c, n, args.level_seconds, args.max_tokens,
-                                         speculate[mode]))
+                                         speculate[mode], start=start))
                 if before is not None:
                     vllm_server.add_tau(row, before, vllm_server.spec_counters(urls[mode]))
                 levels[mode].append(row)
                 print(f"  {c:>3} clients  {mode:<10} {row['output_tok_s']:7.1f} tok/s  tau {row['tau'] or 0:.2f}  "
                       f"done {row['requests']}  errors {row['errors']}", flush=True)
+            start += n
         soak = asyncio.run(_soak(aware, prompts, args.soak, args.max_tokens, max_c)) if args.soak and aware else None
     report = {"args": vars(args) | {"func": None}, "speculator": speculator, "levels": levels, "peers": peers,
               "soak": soak}

@@ -540,3 +540,22 @@ def test_serve_bounds_the_shape_keyed_kernel_caches_unless_the_user_set_them():
     env = {"LRU_CACHE_CAPACITY": "2048"}  # the user's choice wins
     assert bound_native_caches(256, env)["LRU_CACHE_CAPACITY"] == "2048"
     assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "256"
+
+
+def test_bench_serve_levels_take_unused_prompts(monkeypatch):
+    """Each level of the sweep continues from the next unused prompt (wrapping around), so a peer
+    with a prefix cache is never served a prompt it has seen in an earlier level."""
+    import asyncio
+
+    from specfoundry.bench import serve as bench_serve
+
+    seen = []
+
+    async def fake_one(client, url, messages, max_tokens, speculate, *a, **k):
+        seen.append(messages)
+        return {"tokens": 1, "latency": 0.0, "ttft": 0.0, "tpot": None, "tau": None, "forwards": None}
+
+    monkeypatch.setattr(bench_serve, "_one", fake_one)
+    prompts = [[{"role": "user", "content": str(i)}] for i in range(6)]
+    asyncio.run(bench_serve._level("http://127.0.0.1:9", prompts, 2, 4, 30, 8, None, start=4))
+    assert [m[0]["content"] for m in seen] == ["4", "5", "0", "1"]
