@@ -4,11 +4,13 @@ tokens per second, from measured acceptance and this machine's measured costs.
 A shape is ``(k, n)``: a draft of depth ``k`` verified as ``n`` nodes (root included); ``(0, 1)``
 is plain decoding, ``(k, k + 1)`` a chain. Per shape the controller estimates
 
-- expected tokens per step: a prior from the per-depth conditional acceptance
+- expected tokens per step: a model from the per-depth conditional acceptance
   ``a_d = P(depth d accepted | depth d-1 accepted)`` (``1 + sum_j prod_{i<=j} a_i``, Leviathan et
   al.'s ``(1 - a^(k+1)) / (1 - a)`` for constant ``a``), widened for trees as if each of the
-  ``b = (n - 1) / k`` candidates per level had an independent chance ``a_d``; blended with the
-  tokens that shape really produced once it has run;
+  ``b = (n - 1) / k`` candidates per level had an independent chance ``a_d``, times that shape's
+  calibration: the tokens it really produced over the tokens the model predicted for those steps
+  (a tree shape not run yet takes the calibration of the tree shapes that did: siblings are
+  correlated, so the independent widening is optimistic and the measured ratio corrects it);
 - verification time of ``n`` nodes: measured per forward size, and for sizes not yet run the
   nearest measured size scaled by the target's measured cost curve ``cost(n) / cost(1)`` (on a CPU
   verification is compute-bound and the curve decides between chains and trees);
@@ -16,6 +18,10 @@ is plain decoding, ``(k, k + 1)`` a chain. Per shape the controller estimates
 
 Plain decoding runs once first (to measure a single-token step) and whenever it wins; a
 speculative probe still runs every ``probe_every`` plain steps so the estimates stay current.
+Acceptance counts and per-shape token counts decay by ``decay`` per speculative step (a window of
+~``1/(1-decay)`` steps): a controller kept across requests follows the prompt it is on (measured:
+with cumulative counts, 100 earlier prompts kept it speculating on translation prompts where the
+head accepts ~10% of its drafts, 0.74x plain decoding).
 Choices only depend on the past, never on values not yet drawn, so they cannot change what the
 verifier emits: greedy output and the sampling distribution are unaffected.
 """
@@ -117,8 +123,11 @@ class AcceptanceTally:
 class AdaptiveController:
     def __init__(self, max_depth: int, enabled: bool = True, probe_every: int = 8, warmup: int = 4,
                  prior_acceptance: float = 0.5, prior_strength: float = 2.0,
-                 cost_curve: dict[int, float] | None = None):
+                 cost_curve: dict[int, float] | None = None, decay: float = 0.95):
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.max_depth = max_depth
+        self.decay = decay
         self.enabled = enabled
         self.probe_every = probe_every
         self.warmup = warmup
@@ -131,7 +140,8 @@ class AdaptiveController:
         self.tally = AcceptanceTally(max_depth)
         self.verify_cost: dict[int, _Ema] = {}  # forward size -> seconds
         self.draft_cost: dict[Shape, _Ema] = {}  # shape -> seconds
-        self.shape_tokens: dict[Shape, list[float]] = {}  # shape -> [steps, tokens]
+        self.shape_calib: dict[Shape, list[float]] = {}  # shape -> [tokens produced, tokens the model predicted]
+        self.tree_calib = [0.0, 0.0]  # the same pooled over every tree shape (kept as it goes: O(1) per lookup)
         self.steps = 0
         self.plain_streak = 0
         # unit operations of the last choose() (acceptance terms and expected-token products): a
@@ -213,19 +223,34 @@ class AdaptiveController:
         k, secs = deepest
         return secs * shape[0] / k
 
-    def tokens(self, shape: Shape, acceptance: list[float] | None = None) -> float:
-        """Expected new tokens per step of ``shape`` (prior blended with what it produced);
-        ``acceptance``: :meth:`acceptance`, when the caller already computed it."""
+    def model_tokens(self, shape: Shape, acceptance: list[float] | None = None) -> float:
+        """Expected new tokens per step of ``shape`` from the acceptance model alone."""
         k, n = shape
         if k == 0:
             return 1.0
         b = max(1.0, (n - 1) / k)
         acceptance = self.acceptance() if acceptance is None else acceptance
         self.work += k
-        prior = expected_tokens([1 - (1 - a) ** b for a in acceptance[:k]], k)
-        steps, toks = self.shape_tokens.get(shape, (0, 0.0))
-        strength = self.prior[1]
-        return (prior * strength + toks) / (strength + steps)
+        return expected_tokens([1 - (1 - a) ** b for a in acceptance[:k]], k)
+
+    def calibration(self, shape: Shape) -> float:
+        """Tokens produced / tokens predicted by the model over ``shape``'s steps, shrunk towards 1
+        by ``prior_strength`` steps' worth of agreement; unmeasured tree shapes pool the tree
+        shapes measured so far."""
+        hit = self.shape_calib.get(shape)
+        if hit is None and shape[1] > shape[0] + 1 and self.tree_calib[1] > 0:
+            hit = self.tree_calib
+        if hit is None:
+            return 1.0
+        s0 = self.prior[1]
+        return (hit[0] + s0) / (hit[1] + s0)
+
+    def tokens(self, shape: Shape, acceptance: list[float] | None = None) -> float:
+        """Expected new tokens per step of ``shape``: the model times the shape's calibration;
+        ``acceptance``: :meth:`acceptance`, when the caller already computed it."""
+        if shape[0] == 0:
+            return 1.0
+        return max(1.0, self.model_tokens(shape, acceptance) * self.calibration(shape))
 
     def expected_rate(self, shape: Shape, acceptance: list[float] | None = None, summary=None,
                       verify_summary=None) -> float | None:
@@ -273,10 +298,16 @@ class AdaptiveController:
         # a clock can step backwards (or a caller pass garbage): never let a NaN/negative time in
         verify_s = verify_s if math.isfinite(verify_s) and verify_s > 0 else 1e-9
         draft_s = draft_s if math.isfinite(draft_s) and draft_s >= 0 else 0.0
+        if shape[0]:  # the model's prediction for this step, before this step's evidence
+            predicted = self.model_tokens(shape)
+            for c in (self.shape_calib.setdefault(shape, [0.0, 0.0]),) + ((self.tree_calib,) if shape[1] > shape[0] + 1 else ()):
+                c[0] += accepted + 1
+                c[1] += predicted
+        if depth_drafted and self.decay < 1.0:  # old acceptance evidence fades (see the module docstring)
+            t = self.tally
+            t.tried = [x * self.decay for x in t.tried]
+            t.passed = [x * self.decay for x in t.passed]
         self.tally.record(depth_drafted, accepted)
         self.verify_cost.setdefault(forward_size, _Ema()).update(verify_s)
         if shape[0]:
             self.draft_cost.setdefault(shape, _Ema()).update(draft_s)
-            st = self.shape_tokens.setdefault(shape, [0, 0.0])
-            st[0] += 1
-            st[1] += accepted + 1

@@ -116,3 +116,43 @@ def test_a_new_request_probes_speculation_even_when_plain_was_winning():
     assert ctrl.choose(chains) == (0, 1)
     ctrl.new_request()
     assert ctrl.choose(chains)[0] > 0
+
+
+def test_acceptance_follows_the_current_prompt_not_all_earlier_ones():
+    """A controller kept across requests: after 200 steps where every draft was accepted, a prompt
+    where nothing is accepted turns it to plain decoding within a few dozen steps (with cumulative
+    counts the earlier steps kept it speculating for hundreds)."""
+    ctrl = AdaptiveController(max_depth=4, probe_every=8)
+    cost = lambda n: 0.020 + 0.001 * n  # noqa: E731
+    _run(ctrl, 1.0, 200, cost, 0.002)
+    assert ctrl.acceptance()[0] > 0.9
+    later = _run(ctrl, 0.0, 80, cost, 0.002)
+    assert later[:10].count(0) < 10  # it does not switch on the first miss
+    assert later[-40:].count(0) >= 30, later
+    with pytest.raises(ValueError, match="decay"):
+        AdaptiveController(max_depth=2, decay=0.0)
+
+
+def test_trees_whose_siblings_never_help_are_discounted_and_chains_win():
+    """Siblings that are never accepted (the second-best child never matches): a tree yields what
+    the chain of its depth yields. After running some trees the measured ratio pulls every tree
+    shape's estimate down, including the tree shapes not run yet, and the controller settles on
+    chains even though the verification cost curve is flat enough to tempt it into trees."""
+    curve = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3, 16: 1.6}
+    shapes = [(k, n) for k in range(1, 5) for n in sorted({k + 1, 4, 8, 16}) if n >= k + 1]
+    shapes.remove((4, 16))
+    shapes.append((4, 16))
+    ctrl = AdaptiveController(max_depth=4, cost_curve=curve)
+    chain_model = AdaptiveController(max_depth=4, prior_acceptance=0.4, prior_strength=1e9)
+    choices = []
+    for _ in range(200):
+        k, n = shape = ctrl.choose(shapes)
+        choices.append(shape)
+        accepted = round(chain_model.tokens((k, k + 1))) - 1 if k else 0  # the chain's tokens, whatever n is
+        ctrl.record(shape, k, accepted, n, 0.03 * ctrl._curve(n), 0.0005 * k)
+    trees_run = {s for s in choices if s[1] > s[0] + 1}
+    assert trees_run, "the model should have tried some trees first"
+    unmeasured = [s for s in shapes if s[1] > s[0] + 1 and s not in trees_run]
+    assert all(ctrl.calibration(s) < 0.9 for s in trees_run | set(unmeasured))
+    tail = choices[-40:]
+    assert sum(n == k + 1 or k == 0 for k, n in tail) >= 36, tail

@@ -169,6 +169,8 @@ def test_adaptive_controller_work_per_step_is_bounded(target):
     bound = 8 * MAX_DRAFT_DEPTH ** 2 + 4 * MAX_DRAFT_NODES
     worst = 0
     gen = torch.Generator().manual_seed(0)
+    for size in range(1, MAX_DRAFT_NODES + 1, 3):  # measurements at many forward sizes from the start
+        ctl.record((1, 2), 1, int(size % 2), size, 1e-3 * (1 + size / 32), 1e-4)
     for step in range(400):
         shape = ctl.choose(shapes)
         worst = max(worst, ctl.work)
