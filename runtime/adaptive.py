@@ -18,8 +18,9 @@ is plain decoding, ``(k, k + 1)`` a chain. Per shape the controller estimates
 
 Plain decoding runs once first (to measure a single-token step) and whenever it wins; a
 speculative probe still runs every ``probe_every`` plain steps so the estimates stay current.
-Acceptance counts and per-shape token counts decay by ``decay`` per speculative step (a window of
-~``1/(1-decay)`` steps): a controller kept across requests follows the prompt it is on (measured:
+Acceptance counts decay by ``decay`` per speculative step (a window of ~``1/(1-decay)`` steps;
+the per-shape calibrations do not, they describe the shape): a controller kept across requests
+follows the prompt it is on (measured:
 with cumulative counts, 100 earlier prompts kept it speculating on translation prompts where the
 head accepts ~10% of its drafts, 0.74x plain decoding).
 Choices only depend on the past, never on values not yet drawn, so they cannot change what the
@@ -300,7 +301,10 @@ class AdaptiveController:
         draft_s = draft_s if math.isfinite(draft_s) and draft_s >= 0 else 0.0
         if shape[0]:  # the model's prediction for this step, before this step's evidence
             predicted = self.model_tokens(shape)
-            for c in (self.shape_calib.setdefault(shape, [0.0, 0.0]),) + ((self.tree_calib,) if shape[1] > shape[0] + 1 else ()):
+            sinks = [self.shape_calib.setdefault(shape, [0.0, 0.0])]
+            if shape[1] > shape[0] + 1:
+                sinks.append(self.tree_calib)
+            for c in sinks:
                 c[0] += accepted + 1
                 c[1] += predicted
         if depth_drafted and self.decay < 1.0:  # old acceptance evidence fades (see the module docstring)

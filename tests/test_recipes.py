@@ -436,3 +436,20 @@ def test_dry_run_plan_needs_no_network_or_model(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
     assert not (tmp_path / "hf").exists() and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("name", ["eagle3-smollm2-135m-real", "eagle3-smollm2-135m-mix"])
+def test_real_prompt_recipes_train_on_nothing_the_evaluation_sets_hold(name):
+    """The recipes that train on ../shared/data/train prompts are evaluated on MT-bench and
+    Spec-Bench: no training prompt may be one of those (compared by normalised text)."""
+    from specfoundry.train.prompts import normalize_for_dedup, read_prompt_file
+
+    r = load_recipe(name)
+    files = [s.path for s in r.data.prompts if s.source == "file"]
+    evals = [ROOT / p for p in ("../shared/data/eval/mt_bench/question.jsonl", "../shared/data/eval/spec_bench/question.jsonl")]
+    if not files or not all((ROOT / f).exists() for f in files) or not all(e.exists() for e in evals):
+        pytest.skip("../shared/data (public prompt files) is not present on this machine")
+    held = {normalize_for_dedup(p) for e in evals for p in read_prompt_file(e)}
+    assert len(held) > 400  # both sets were read
+    train = {normalize_for_dedup(p) for f in files for p in read_prompt_file(ROOT / f)}
+    assert train and not train & held, sorted(train & held)[:3]

@@ -171,13 +171,10 @@ def forward_slots(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
         layer = kv[i]
         layer[0][rows, :, write] = k  # [B, n, hkv, D] at each row's own columns
         layer[1][rows, :, write] = v
-        if len(groups) == 1:
-            s, e, w = groups[0]
-            return grouped_attention(q, layer[0, :B, :, :w], layer[1, :B, :, :w],
-                                     None if plain[0] else mask[:, :, :, :w], engine.scale)
-        return torch.cat([grouped_attention(q[s:e], layer[0, s:e, :, :w], layer[1, s:e, :, :w],
-                                            None if p else mask[s:e, :, :, :w], engine.scale)
-                          for (s, e, w), p in zip(groups, plain)])
+        outs = [grouped_attention(q[s:e], layer[0, s:e, :, :w], layer[1, s:e, :, :w],
+                                  None if p else mask[s:e, :, :, :w], engine.scale)
+                for (s, e, w), p in zip(groups, plain)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     x, feats = engine.run_layers(tokens, cos, sin, attention, feature_layers)
     return engine.finish(x, feats, feature_layers, None)
