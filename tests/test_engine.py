@@ -301,6 +301,29 @@ def test_head_kernels_match_plain_linears_and_follow_weight_edits():
     assert drafter.head.__dict__["_linears"].kernels == target.engine.kernels
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_fused_linears_equal_separate_ones_and_follow_bias_edits(rows):
+    """PreparedLinears.fused (the heads' Q/K/V and gate/up as one product) equals the separate
+    linears concatenated, with a bias on some of them, and re-prepares after an in-place edit."""
+    from specfoundry.runtime.engine import PreparedLinears
+
+    kernels = ("onednn", "onednn") if _onednn_available() else ("gemv_t", "aten")
+    torch.manual_seed(0)
+    lins = (torch.nn.Linear(12, 8, bias=True), torch.nn.Linear(12, 4, bias=False), torch.nn.Linear(12, 6, bias=True))
+    x = torch.randn(rows, 12)
+    run = PreparedLinears(kernels)
+
+    def ref():
+        return torch.cat([lin(x) for lin in lins], dim=-1)
+
+    with torch.inference_mode():
+        torch.testing.assert_close(run.fused(lins, x), ref(), rtol=1e-5, atol=1e-5)
+        for edit in (lambda: lins[2].bias.add_(1.0), lambda: lins[1].weight.mul_(-2.0)):
+            with torch.inference_mode(False), torch.no_grad():
+                edit()
+            torch.testing.assert_close(run.fused(lins, x), ref(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_engine_matches_hf_on_smollm2(smollm2, dtype):
     """Prefill, a tree verification and a step after an in-place commit, engine vs the HF path on

@@ -208,6 +208,13 @@ class _EagleBase(nn.Module):
         run = self.__dict__.get("_linears")
         return lin(x) if run is None or torch.is_grad_enabled() else run(lin, x)
 
+    def _lins(self, lins: tuple[nn.Linear, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        """``[lin(x) for lin in lins]``; on the engine's kernels as one product (fused weights)."""
+        run = self.__dict__.get("_linears")
+        if run is None or torch.is_grad_enabled():
+            return [lin(x) for lin in lins]
+        return list(run.fused(lins, x).split([lin.out_features for lin in lins], dim=-1))
+
     def _step_inputs(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention input, residual) of the decoder layer for pairs ``(hidden, input_ids)``."""
         raise NotImplementedError
@@ -239,9 +246,10 @@ class _EagleBase(nn.Module):
         a = self.architecture
         x, residual = self._step_inputs(input_ids.to(dev), hidden)
         lin = self._lin
-        q = lin(attn.q_proj, x).view(B, n, a["num_attention_heads"], a["head_dim"])
-        k = lin(attn.k_proj, x).view(B, n, a["num_key_value_heads"], a["head_dim"])
-        v = lin(attn.v_proj, x).view(B, n, a["num_key_value_heads"], a["head_dim"])
+        q, k, v = self._lins((attn.q_proj, attn.k_proj, attn.v_proj), x)
+        q = q.reshape(B, n, a["num_attention_heads"], a["head_dim"])
+        k = k.reshape(B, n, a["num_key_value_heads"], a["head_dim"])
+        v = v.reshape(B, n, a["num_key_value_heads"], a["head_dim"])
         cos, sin = self.rotary_emb(hidden, position_ids.to(dev))
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         masks = self.__dict__.get("_masks")
@@ -253,7 +261,8 @@ class _EagleBase(nn.Module):
         cache.mark_appended(n)
         h = residual + lin(attn.o_proj, o)
         mlp, x = layer.mlp, layer.post_attention_layernorm(h)
-        return h + lin(mlp.down_proj, mlp.act_fn(lin(mlp.gate_proj, x)) * lin(mlp.up_proj, x))
+        gate, up = self._lins((mlp.gate_proj, mlp.up_proj), x)
+        return h + lin(mlp.down_proj, mlp.act_fn(gate) * up)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         emb = self.embed_tokens
