@@ -37,6 +37,7 @@ from ..generator import IncrementalDetokenizer
 from ..sampling import SamplingParams
 from ..tree import Draft, ancestor_matrix, tree_depths
 from ..verify import verify
+from .drafts import SlotDrafts
 from .policy import SpeculationPolicy
 from .requests import Event, QueueFull, Request, RequestHandle, RequestStats
 from .slots import SlotCache, forward_slots
@@ -118,6 +119,10 @@ class ServingEngine:
         self.engine = target._engine()
         # a row holds a whole request plus one step's draft nodes
         self.slots = SlotCache(self.engine, max_batch, self.max_context + self.max_depth + 2)
+        # EAGLE heads draft for every row at once (one head forward per depth, :mod:`.drafts`)
+        self.slot_drafts = None
+        if self.max_depth and hasattr(getattr(drafter, "head", None), "step_rows") and getattr(drafter, "_static", False):
+            self.slot_drafts = SlotDrafts(drafter.head, max_batch, self.max_context + self.max_depth + 2)
         self._waiting: deque[RequestHandle] = deque()
         self._seqs: list[_Seq] = []
         self._lock = threading.Condition()
@@ -234,7 +239,9 @@ class ServingEngine:
             self.metrics.finished("cancelled", len(handle.request.prompt_ids), None)  # cancelled while waiting
             return
         r = handle.request
-        drafter = self.drafter.fork() if (self.drafter is not None and r.speculate and self.max_depth) else None
+        drafter = None
+        if self.drafter is not None and r.speculate and self.max_depth:
+            drafter = _BATCHED if self.slot_drafts is not None else self.drafter.fork()
         seq = _Seq(handle, drafter, self.policy.monitor(drafter is not None), self.engine.device, self.target.decode)
         seq.stats.queued_seconds = seq.started - handle.submitted
         row = self.slots.add()
@@ -248,7 +255,9 @@ class ServingEngine:
             features = out.features
         else:
             features = torch.zeros(1, 0, len(self.feature_layers), self.target.hidden_size, dtype=self.target.dtype)
-        if drafter is not None:
+        if drafter is _BATCHED:
+            self.slot_drafts.begin(row, ids, features)
+        elif drafter is not None:
             drafter.begin(ids, features if self.feature_layers else None)
         self._seqs.append(seq)
 
@@ -271,6 +280,8 @@ class ServingEngine:
         seq.handle._put(Event([], tail, reason, error=error, stats=seq.stats.as_dict()))
         self.metrics.finished(reason, len(seq.handle.request.prompt_ids), seq.stats)
         moved = self.slots.remove(row)
+        if self.slot_drafts is not None:
+            self.slot_drafts.remove(row, row if moved is None else moved)
         last = self._seqs.pop()
         if moved is not None:
             self._seqs[row] = last
@@ -280,15 +291,26 @@ class ServingEngine:
         seqs, dev = self._seqs, self.engine.device
         t0 = time.perf_counter()
         depths = self.policy.choose([s.monitor if s.drafter is not None else _OFF for s in seqs])
-        drafts, failed = [], {}
-        for s, k in zip(seqs, depths):
-            d = None
-            if k > 0:
+        drafts, failed = [None] * len(seqs), {}
+        batched: dict[int, list[int]] = {}  # depth -> rows drafted together by the slot drafts
+        for b, (s, k) in enumerate(zip(seqs, depths)):
+            if k > 0 and s.drafter is _BATCHED:
+                batched.setdefault(k, []).append(b)
+            elif k > 0:
                 try:
-                    d = s.drafter.propose(DraftContext(s.ids, s.sampling, k, k + 1, s.gen))
+                    drafts[b] = s.drafter.propose(DraftContext(s.ids, s.sampling, k, k + 1, s.gen))
                 except Exception as e:  # noqa: BLE001 - one request's drafter must not stop the others
                     self._drop_drafter(s, e)
-            drafts.append(d if d is not None else Draft.root_only(s.ids[:, -1]))
+        for k, rows in batched.items():
+            try:
+                for b, d in zip(rows, self.slot_drafts.propose(rows, [seqs[b].ids[0, -1:] for b in rows], k,
+                                                               [seqs[b].sampling for b in rows],
+                                                               [seqs[b].gen for b in rows])):
+                    drafts[b] = d
+            except Exception as e:  # noqa: BLE001 - these requests go on without speculation
+                for b in rows:
+                    self._drop_drafter(seqs[b], e)
+        drafts = [d if d is not None else Draft.root_only(s.ids[:, -1]) for s, d in zip(seqs, drafts)]
         t1 = time.perf_counter()
         B, N = len(seqs), max(d.num_nodes for d in drafts)
         tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
@@ -323,7 +345,11 @@ class ServingEngine:
         for b, (s, d) in enumerate(zip(seqs, drafts)):
             if s.drafter is not None and b not in failed:  # told of every continuation, drafted or not
                 try:
-                    s.drafter.commit(news[b], out.features[b: b + 1, keeps[b]] if out.features is not None else None)
+                    feats = out.features[b: b + 1, keeps[b]] if out.features is not None else None
+                    if s.drafter is _BATCHED:
+                        self.slot_drafts.commit(b, news[b], feats)
+                    else:
+                        s.drafter.commit(news[b], feats)
                 except Exception as e:  # noqa: BLE001
                     self._drop_drafter(s, e)
         t3 = time.perf_counter()
@@ -380,6 +406,16 @@ class ServingEngine:
             s.handle._put(Event(step_tokens, text))
         if reason is not None:
             finished.append((b, reason))
+
+
+class _Batched:
+    """``_Seq.drafter`` of a sequence the engine's :class:`~.drafts.SlotDrafts` drafts for."""
+
+    def __repr__(self):
+        return "<slot drafts>"
+
+
+_BATCHED = _Batched()
 
 
 class _Off:

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from ..engine import MaskBuffer, PreparedLinears, StaticKVCache, attend, rotate
+from ..engine import MaskBuffer, PreparedLinears, StaticKVCache, attend, grouped_attention, rotate
 from ..target import additive_mask
 from .vocab import set_draft_vocab
 from .eagle_layers import (
@@ -238,10 +238,67 @@ class _EagleBase(nn.Module):
         B, n = input_ids.shape
         cache.reserve(n)
         past = cache.length
-        dev, dt = self.device, self.dtype
-        hidden = hidden.to(dev, dt)
+        dev = self.device
         if position_ids is None:
             position_ids = (past + torch.arange(n, device=dev)).expand(B, n)
+        masks = self.__dict__.get("_masks")
+        if masks is None or masks.buf.device != dev:
+            a = self.architecture
+            masks = self.__dict__["_masks"] = MaskBuffer(a["num_attention_heads"] // a["num_key_value_heads"], dev)
+        mask = masks.get(block, B, n, past)
+
+        def attention(q, k, v):
+            return attend(cache.kv[0], q, k, v, past, mask, self.layer.self_attn.scaling)
+
+        out = self._layer_step(input_ids, hidden, position_ids, attention)
+        masks.release(mask, n if block is None else block.shape[-1])
+        cache.mark_appended(n)
+        return out
+
+    @torch.inference_mode()
+    def step_rows(self, input_ids: torch.Tensor, hidden: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor,
+                  lengths: torch.Tensor) -> torch.Tensor:
+        """:meth:`step` for several sequences of unequal length in one cache (the serving batch's
+        drafting, :mod:`specfoundry.runtime.serving.drafts`): ``kv`` ``[2, slots, hkv, capacity, D]``,
+        row ``rows[b]`` holds ``lengths[b]`` entries; its ``n`` new tokens (causal among themselves,
+        positions ``lengths[b] ..``) are written after them. Nothing is committed here: the caller
+        keeps the lengths."""
+        B, n = input_ids.shape
+        dev = self.device
+        a = self.architecture
+        g = a["num_attention_heads"] // a["num_key_value_heads"]
+        lengths = lengths.to(dev)
+        offs = torch.arange(n, device=dev)
+        write = lengths.view(B, 1) + offs  # [B, n]
+        W = int(lengths.max()) + n
+        if W > kv.shape[3]:
+            raise ValueError(f"a row would exceed the drafting cache ({kv.shape[3]} entries)")
+        cols = torch.arange(W, device=dev)
+        # row b sees its committed entries and its new ones up to itself
+        mask = (cols.view(1, 1, W) <= write.view(B, n, 1)).repeat(1, g, 1).unsqueeze(1)
+        contiguous = bool((rows == torch.arange(rows[0], rows[0] + B, device=rows.device)).all())
+
+        def attention(q, k, v):
+            r = rows.view(B, 1).expand(B, n)
+            kv[0][r, :, write] = k
+            kv[1][r, :, write] = v
+            if contiguous:  # a slice, not a gather
+                keys, values = kv[0, rows[0]: rows[0] + B, :, :W], kv[1, rows[0]: rows[0] + B, :, :W]
+            else:
+                keys, values = kv[0, rows, :, :W], kv[1, rows, :, :W]
+            return grouped_attention(q, keys, values, mask, self.layer.self_attn.scaling)
+
+        return self._layer_step(input_ids, hidden, write, attention)
+
+    def _layer_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                    attention) -> torch.Tensor:
+        """The decoder layer over pairs ``(hidden, input_ids)`` ``[B, n]`` at ``position_ids``;
+        ``attention(q, k, v)`` (RoPE applied, ``[B, n, heads, D]``) stores K/V wherever its cache
+        keeps them and returns ``[B, n, hq*D]``: the one place :meth:`step` and :meth:`step_rows`
+        differ."""
+        B, n = input_ids.shape
+        dev, dt = self.device, self.dtype
+        hidden = hidden.to(dev, dt)
         layer, attn = self.layer, self.layer.self_attn
         a = self.architecture
         x, residual = self._step_inputs(input_ids.to(dev), hidden)
@@ -252,13 +309,7 @@ class _EagleBase(nn.Module):
         v = v.reshape(B, n, a["num_key_value_heads"], a["head_dim"])
         cos, sin = self.rotary_emb(hidden, position_ids.to(dev))
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-        masks = self.__dict__.get("_masks")
-        if masks is None or masks.buf.device != dev:
-            masks = self.__dict__["_masks"] = MaskBuffer(a["num_attention_heads"] // a["num_key_value_heads"], dev)
-        mask = masks.get(block, B, n, past)
-        o = attend(cache.kv[0], rotate(q, cos, sin), rotate(k, cos, sin), v, past, mask, attn.scaling)
-        masks.release(mask, n if block is None else block.shape[-1])
-        cache.mark_appended(n)
+        o = attention(rotate(q, cos, sin), rotate(k, cos, sin), v)
         h = residual + lin(attn.o_proj, o)
         mlp, x = layer.mlp, layer.post_attention_layernorm(h)
         gate, up = self._lins((mlp.gate_proj, mlp.up_proj), x)

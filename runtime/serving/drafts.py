@@ -1,0 +1,179 @@
+"""Batched EAGLE chain drafting for the serving batch: one head forward per depth for all rows.
+
+Scope: the EAGLE/EAGLE-3 head's per-row state in the serving engine (its KV, the committed pairs
+not yet run, the root's head output) and the chain proposals of every speculating row in one
+step; the scheduler (:mod:`.scheduler`) decides who speculates and how deep.
+
+Per request, :class:`~specfoundry.runtime.drafters.eagle.EagleDrafter` runs the head on batch 1:
+a step with ``B`` speculating rows ran ``B`` head forwards per depth (each ~1 ms on a CPU, most
+of it fixed cost), so at 8 rows drafting cost about as much as verifying. Here the head's KV for
+all rows lives in one ``[2, slots, hkv, capacity, D]`` tensor with a length per row (the layout
+of :class:`~.slots.SlotCache`), and each depth is one
+:meth:`~specfoundry.runtime.speculators.eagle._EagleBase.step_rows` over the speculating rows.
+
+What a row computes is what the per-request drafter computes for a chain (same pairs, positions
+and greedy choice: tested against it), so this changes only the cost of drafting; every token
+the server emits still comes from the verifier.
+
+- ``begin``: the prompt's pairs run at once (batch 1, as the target's prefill just did);
+- ``commit``: the verified continuation's pairs are queued; the next ``propose`` that includes the
+  row runs every row's queue in one forward, padded to the longest (padding sits after a row's
+  real pairs, so causal attention never reads it, and it is overwritten later);
+- ``propose``: greedy rows take the argmax, sampling rows draw from their processed draft
+  distribution with their own generator (``Draft.q`` records it), one token per depth.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sampling import SamplingParams, probs_from_logits
+from ..tree import Draft
+
+__all__ = ["SlotDrafts"]
+
+
+class SlotDrafts:
+    """The head state of up to ``slots`` rows of at most ``capacity`` pairs (see the module doc).
+    Rows mirror the serving :class:`~.slots.SlotCache`: the caller adds, commits and removes
+    them in the same order."""
+
+    def __init__(self, head, slots: int, capacity: int):
+        if not (hasattr(head, "step_rows") and hasattr(head, "fuse_features")):
+            raise TypeError(f"{type(head).__name__} has no batched drafting step")
+        a = head.architecture
+        self.head = head
+        with torch.inference_mode():
+            self.kv = torch.zeros(2, slots, a["num_key_value_heads"], capacity, a["head_dim"], dtype=head.dtype,
+                                  device=head.device)
+        self.lengths = [0] * slots
+        self._pending: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(slots)]
+        self._root: list[torch.Tensor | None] = [None] * slots  # head output of the root's pair [H]
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[3]
+
+    # -- rows ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def begin(self, row: int, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        """Row ``row`` starts a sequence: ``prompt_ids`` ``[1, L]``, ``features`` ``[1, L-1, F, H]``
+        of the prefilled ``prompt_ids[:, :-1]`` (see the drafter protocol)."""
+        self.lengths[row], self._pending[row], self._root[row] = 0, [], None
+        if prompt_ids.shape[1] > 1:
+            self._queue(row, prompt_ids[:, 1:], features)
+            self._run([row])
+
+    @torch.inference_mode()
+    def commit(self, row: int, new_tokens: torch.Tensor, features: torch.Tensor | None) -> None:
+        """The verified continuation ``new_tokens`` ``[1, n]`` and the target features ``[1, n, F, H]``
+        of the old root and the accepted drafts."""
+        self._queue(row, new_tokens, features)
+
+    def remove(self, row: int, last: int) -> None:
+        """Mirror :meth:`~.slots.SlotCache.remove`: row ``last`` (the last active one) moves into
+        ``row`` (nothing moves when they are equal)."""
+        if row == last:
+            self._pending[row], self._root[row] = [], None
+            return
+        n = self.lengths[last]
+        with torch.inference_mode():
+            self.kv[:, row, :, :n] = self.kv[:, last, :, :n]
+        self.lengths[row], self._pending[row], self._root[row] = n, self._pending[last], self._root[last]
+        self._pending[last], self._root[last] = [], None
+
+    def _queue(self, row: int, next_ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        n = next_ids.shape[1]
+        if n == 0:
+            return
+        if features is None or features.shape[1] != n:
+            raise ValueError(f"need target features for the {n} new pairs")
+        hidden = self.head.fuse_features(features)[0]  # [n, H], fused once
+        self._pending[row].append((next_ids[0].to(self.head.device), hidden))
+
+    def _run(self, rows: list[int]) -> None:
+        """Run the queued pairs of ``rows`` (padded to the longest) and commit them."""
+        rows = [r for r in rows if self._pending[r]]
+        if not rows:
+            return
+        ids = [torch.cat([i for i, _ in self._pending[r]]) for r in rows]
+        hid = [torch.cat([h for _, h in self._pending[r]]) for r in rows]
+        counts = [x.shape[0] for x in ids]
+        n = max(counts)
+        if any(self.lengths[r] + n > self.capacity for r in rows) and len(rows) > 1:
+            for r in rows:  # the padding would not fit one of them: run each alone
+                self._run([r])
+            return
+        H = hid[0].shape[-1]
+        dev = self.head.device
+        ids_b = torch.zeros(len(rows), n, dtype=torch.long, device=dev)
+        hid_b = torch.zeros(len(rows), n, H, dtype=hid[0].dtype, device=dev)
+        for b, (i, h) in enumerate(zip(ids, hid)):
+            ids_b[b, : i.shape[0]] = i
+            hid_b[b, : h.shape[0]] = h
+        out = self.head.step_rows(ids_b, hid_b, self.kv, torch.tensor(rows, device=dev),
+                                  torch.tensor([self.lengths[r] for r in rows], device=dev))
+        for b, (r, c) in enumerate(zip(rows, counts)):
+            self.lengths[r] += c
+            self._root[r] = out[b, c - 1]
+            self._pending[r] = []
+
+    # -- proposals -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, rows: list[int], roots: list[torch.Tensor], depth: int, sampling: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> list[Draft]:
+        """A chain of ``depth`` drafts below each root (``roots[i]``: row ``rows[i]``'s last committed
+        token); a row whose head has no output yet (a one-token prompt) gets the root alone."""
+        if depth < 1 or not rows:
+            return [Draft.root_only(r.view(-1)[-1:]) for r in roots]
+        self._run(rows)
+        live = [i for i, r in enumerate(rows) if self._root[r] is not None]
+        if any(self.lengths[rows[i]] + depth - 1 > self.capacity for i in live):
+            raise ValueError(f"a row's draft would exceed the drafting cache ({self.capacity} entries)")
+        head = self.head
+        d2t = head.draft_to_target
+        dev = head.device
+        rows_t = torch.tensor([rows[i] for i in live], device=dev)
+        base = torch.tensor([self.lengths[rows[i]] for i in live], device=dev)
+        h = torch.stack([self._root[rows[i]] for i in live]) if live else None
+        tokens: list[torch.Tensor] = []  # per depth [R] target ids
+        qs: list[list[torch.Tensor | None]] = []
+        greedy = [sampling[i].greedy for i in live]
+        for d in range(depth):
+            logits = head.compute_logits(h)  # [R, Vd]
+            tok = torch.empty(len(live), dtype=torch.long, device=dev)
+            q_d: list[torch.Tensor | None] = []
+            if all(greedy):
+                tok = logits.argmax(-1)
+                q_d = [None] * len(live)
+            else:
+                for j, i in enumerate(live):
+                    if greedy[j]:
+                        tok[j] = logits[j].argmax()
+                        q_d.append(None)
+                    else:
+                        q = probs_from_logits(logits[j: j + 1], sampling[i])[0]  # draft vocabulary
+                        tok[j] = torch.multinomial(q, 1, generator=generators[i])[0]
+                        q_d.append(q)
+            target_tok = tok if d2t is None else d2t[tok]
+            tokens.append(target_tok)
+            qs.append(q_d)
+            if d + 1 < depth:  # the next depth reads this draft: one entry per row past its committed pairs
+                h = head.step_rows(target_tok.view(-1, 1), h.view(len(live), 1, -1), self.kv, rows_t, base + d)[:, 0]
+        V = head.architecture["vocab_size"]
+        drafts: list[Draft] = []
+        by_row = {i: j for j, i in enumerate(live)}
+        for i, root in enumerate(roots):
+            root = root.view(-1)[-1:]
+            j = by_row.get(i)
+            if j is None:
+                drafts.append(Draft.root_only(root))
+                continue
+            chain = torch.stack([t[j] for t in tokens]).view(1, depth)
+            q = None
+            if not greedy[j]:
+                qd = torch.stack([qs[d][j] for d in range(depth)])  # [depth, Vd]
+                q = qd if d2t is None else qd.new_zeros(depth, V).index_copy_(1, d2t, qd)
+                q = q.unsqueeze(0)
+            drafts.append(Draft.chain(root.to(dev), chain, q))
+        return drafts
