@@ -4,6 +4,7 @@ Tiny float64 Llamas (exact); the HTTP server on top is tested in test_server.py.
 """
 
 import threading
+import time
 
 import pytest
 import torch
@@ -109,6 +110,57 @@ def test_slot_forward_matches_solo_forwards_with_unequal_lengths_and_trees(targe
     torch.testing.assert_close(out3.logits[0, 0], ref.logits[0, -1], rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("decode_rows", [2, 0])
+def test_mixed_forward_runs_prefill_chunks_beside_decode_rows(target, decode_rows):
+    """Chunked prefill: decode rows (trees) and prompt chunks of two requests in one forward give
+    the decode rows their solo logits, and each request's chunks (1, 3 and 6 tokens, continued over
+    two forwards) the features and KV of a solo prefill of the whole prompt."""
+    engine = target._engine()
+    gen = torch.Generator().manual_seed(3)
+    lens = [6, 13][:decode_rows]
+    seqs = [torch.randint(0, 64, (n,), generator=gen) for n in lens]
+    slots = SlotCache(engine, slots=4, capacity=64)
+    for s in seqs:
+        row = slots.add()
+        view = slots.row_cache(row)
+        target.forward(s.view(1, -1), view)
+        view.commit()
+        slots.set_length(row, view.length)
+    par = torch.tensor([[-1, 0, 0]])
+    tokens = torch.randint(0, 64, (decode_rows, 3), generator=gen)
+    pos = torch.tensor(lens, dtype=torch.long).view(-1, 1) + tree_depths(par)
+    block = ancestor_matrix(par).expand(decode_rows, 3, 3)
+    prompts_ = [torch.randint(0, 64, (n,), generator=gen) for n in (4, 9)]
+    caches = [engine.new_cache(capacity=2) for _ in prompts_]  # grows as chunks arrive
+    feats = [[], []]
+    for cuts in ([(0, 1), (0, 3)], [(1, 4), (3, 9)]):
+        chunks = [(caches[j], prompts_[j][a:b]) for j, (a, b) in enumerate(cuts)]
+        out, fs = slots_module.forward_mixed(slots, tokens[:, :1] if cuts[0][0] else tokens,
+                                             pos[:, :1] if cuts[0][0] else pos, None if cuts[0][0] else block,
+                                             chunks, feature_layers=(1, 2))
+        for j, f in enumerate(fs):
+            feats[j].append(f)
+        if decode_rows and not cuts[0][0]:
+            for b in range(decode_rows):
+                ref_cache = target.new_cache()
+                target.forward(seqs[b].view(1, -1), ref_cache)
+                ref_cache.commit()
+                ref = target.forward(tokens[b].view(1, -1), ref_cache, position_ids=pos[b].view(1, -1),
+                                     tree_mask=ancestor_matrix(par))
+                torch.testing.assert_close(out.logits[b], ref.logits[0], rtol=1e-9, atol=1e-9)
+            slots.commit([torch.tensor([0])] * decode_rows)
+        elif not decode_rows:
+            assert out is None
+    for j, p in enumerate(prompts_):
+        ref_cache = target.new_cache()
+        ref = target.forward(p.view(1, -1), ref_cache, feature_layers=(1, 2))
+        ref_cache.commit()
+        assert caches[j].length == p.numel()
+        torch.testing.assert_close(torch.cat(feats[j], dim=1), ref.features, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(caches[j].kv[:, :, :, :, : p.numel()], ref_cache.kv[:, :, :, :, : p.numel()],
+                                   rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("drafter", ["draft", "eagle3", "medusa", "ngram", None])
 def test_batched_greedy_equals_solo_under_load(target, drafter, monkeypatch):
     """More requests than slots, submitted from several threads, speculation forced on (table) or
@@ -139,6 +191,29 @@ def test_batched_greedy_equals_solo_under_load(target, drafter, monkeypatch):
         assert all(g[2].finish_reason == "length" for g in got)
         if drafter == "draft" and table:
             assert sum(g[2].stats["accepted"] for g in got) > 0  # speculation really ran
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "ngram", None])
+def test_chunked_prefill_under_load_equals_solo(target, drafter, capsys):
+    """Prompts prefilled a few tokens per step beside the decoding rows (max_step_tokens=6): every
+    request's greedy output is still its solo output, and a request cancelled while its prompt is
+    being prefilled ends "cancelled" without disturbing the others."""
+    d = load_drafter(drafter, target) if drafter else None
+    ps = prompts(8)
+    want = solo(target, ps)
+    with ServingEngine(target, d, max_batch=3, max_queue=16, speculation_table="1-:2", max_step_tokens=6) as eng:
+        handles = [eng.submit(Request(p, max_new_tokens=24, stop_at_eos=False)) for p in ps]
+        doomed = eng.submit(Request([5] * 40, max_new_tokens=8, stop_at_eos=False))
+        doomed.cancel()
+        got = [h.result() for h in handles]
+        assert doomed.result()[2].finish_reason == "cancelled"
+        for _ in range(500):  # the engine thread frees the last row right after its final event
+            if eng.load()["running"] == 0:
+                break
+            time.sleep(0.01)
+        assert eng.load()["running"] == 0
+    assert [g[0] for g in got] == want
+    assert "drafter failed" not in capsys.readouterr().err  # e.g. a one-token prompt's row has no head output yet
 
 
 def test_batched_sampling_keeps_the_target_distribution():

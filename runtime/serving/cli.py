@@ -51,6 +51,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-depth", type=int, default=None, help="max draft depth (default: the drafter's)")
     p.add_argument("--speculation-table", default=None,
                    help="batch-size ranges -> draft depth, overriding the cost model, e.g. '1-4:3,5-8:1,9-:0'")
+    p.add_argument("--max-step-tokens", type=int, default=512,
+                   help="tokens per forward: prompts are prefilled in chunks beside the decoding rows")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=_serve)
@@ -79,7 +81,8 @@ def build_engine(args):
     metrics = PrometheusMetrics()
     engine = ServingEngine(target, drafter, max_batch=args.max_batch, max_queue=args.max_queue,
                            max_context=args.max_context, max_depth=args.max_depth,
-                           speculation_table=args.speculation_table, metrics=metrics)
+                           speculation_table=args.speculation_table, metrics=metrics,
+                           max_step_tokens=args.max_step_tokens)
     return engine, metrics, args.model_name or target.name
 
 

@@ -128,6 +128,8 @@ class SlotDrafts:
             return [Draft.root_only(r.view(-1)[-1:]) for r in roots]
         self._run(rows)
         live = [i for i, r in enumerate(rows) if self._root[r] is not None]
+        if not live:
+            return [Draft.root_only(r.view(-1)[-1:]) for r in roots]
         if any(self.lengths[rows[i]] + depth - 1 > self.capacity for i in live):
             raise ValueError(f"a row's draft would exceed the drafting cache ({self.capacity} entries)")
         head = self.head

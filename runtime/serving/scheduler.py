@@ -3,10 +3,14 @@
 Scope: requests in, token events out. :class:`ServingEngine` owns a target on the engine, one
 drafter (forked per sequence) and a :class:`~.slots.SlotCache`; a background thread runs steps:
 
-1. admit waiting requests into free slots (each prefilled on its own row);
+1. admit waiting requests (up to ``max_batch`` decoding or prefilling);
 2. :class:`~.policy.SpeculationPolicy` picks each sequence's draft depth for this batch size
-   (0 = plain) and each speculating sequence's drafter proposes a chain/tree;
-3. the drafts are padded to one node count and verified in **one** batched forward;
+   (0 = plain) and each speculating sequence's drafter proposes a chain/tree (EAGLE heads for
+   all rows at once, :mod:`.drafts`);
+3. the drafts are padded to one node count and verified in **one** batched forward, which also
+   carries the next chunks of the prompts being prefilled (chunked prefill, up to
+   ``max_step_tokens`` per forward; :func:`~.slots.forward_mixed`): a prefilled request takes a
+   slot row and decodes from the next step on;
 4. per sequence: :func:`~specfoundry.runtime.verify.verify` (its own sampler and seed), the KV
    of the accepted nodes kept in place, the drafter told, tokens streamed to the request.
 
@@ -40,7 +44,7 @@ from ..verify import verify
 from .drafts import SlotDrafts
 from .policy import SpeculationPolicy
 from .requests import Event, QueueFull, Request, RequestHandle, RequestStats
-from .slots import SlotCache, forward_slots
+from .slots import SlotCache, forward_mixed, forward_slots
 
 __all__ = ["Event", "NullMetrics", "QueueFull", "Request", "RequestHandle", "RequestStats", "ServingEngine"]
 
@@ -91,17 +95,23 @@ class ServingEngine:
 
     ``max_batch`` sequences decode together; ``max_queue`` more may wait; ``max_context`` bounds
     prompt + new tokens per request (default: the model's context, at most 4096);
-    ``speculation_table`` overrides the load-aware depth (``"1-4:3,5-8:1,9-:0"``).
+    ``speculation_table`` overrides the load-aware depth (``"1-4:3,5-8:1,9-:0"``);
+    ``max_step_tokens`` bounds the tokens of one forward: prompts are prefilled in chunks that share
+    the decode rows' forward (chunked prefill), as much of them per step as the decode rows leave.
     """
 
     def __init__(self, target: EngineTarget, drafter: Drafter | None = None, *, max_batch: int = 8,
                  max_queue: int = 64, max_context: int | None = None, max_depth: int | None = None,
-                 speculation_table: str | None = None, metrics=None, cost_curve: dict | None = None):
+                 speculation_table: str | None = None, metrics=None, cost_curve: dict | None = None,
+                 max_step_tokens: int = 512):
         if not isinstance(target, EngineTarget):
             raise ValueError("serving needs a target on the engine backend (a Llama-family model; "
                              "load it with backend='engine')")
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch ({max_batch}) must be >= 1 and max_queue ({max_queue}) >= 0")
+        if isinstance(max_step_tokens, bool) or not isinstance(max_step_tokens, int) or max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be an integer >= 1, got {max_step_tokens!r}")
+        self.max_step_tokens = max_step_tokens
         self.target = target
         self.drafter = drafter
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -125,6 +135,7 @@ class ServingEngine:
             self.slot_drafts = SlotDrafts(drafter.head, max_batch, self.max_context + self.max_depth + 2)
         self._waiting: deque[RequestHandle] = deque()
         self._seqs: list[_Seq] = []
+        self._filling: deque[_Fill] = deque()  # admitted, prompt being prefilled (no slot row yet)
         self._lock = threading.Condition()
         self._ids = itertools.count(1)
         self._stop = False
@@ -141,7 +152,7 @@ class ServingEngine:
         with self._lock:
             if self._stop:
                 raise RuntimeError("the serving engine is closed")
-            if len(self._waiting) >= self.max_queue + max(0, self.max_batch - len(self._seqs)):
+            if len(self._waiting) >= self.max_queue + max(0, self.max_batch - self._admitted()):
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue})")
             self._waiting.append(handle)
             self._lock.notify()
@@ -154,7 +165,7 @@ class ServingEngine:
 
     def load(self) -> dict:
         with self._lock:
-            return {"running": len(self._seqs), "waiting": len(self._waiting), "max_batch": self.max_batch,
+            return {"running": self._admitted(), "waiting": len(self._waiting), "max_batch": self.max_batch,
                     "max_queue": self.max_queue}
 
     def close(self, timeout: float = 10.0) -> None:
@@ -170,6 +181,10 @@ class ServingEngine:
 
     def __exit__(self, *exc):
         self.close()
+
+    def _admitted(self) -> int:
+        """Requests holding a place in the batch: decoding, or being prefilled."""
+        return len(self._seqs) + len(self._filling)
 
     def _validate(self, r: Request) -> None:
         ids = r.prompt_ids
@@ -203,18 +218,18 @@ class ServingEngine:
         try:
             while True:
                 with self._lock:
-                    while not self._stop and not self._waiting and not self._seqs:
+                    while not self._stop and not self._waiting and not self._seqs and not self._filling:
                         self._lock.wait()
                     if self._stop:
                         break
                     admit = []
-                    while self._waiting and len(self._seqs) + len(admit) < self.max_batch:
+                    while self._waiting and self._admitted() + len(admit) < self.max_batch:
                         admit.append(self._waiting.popleft())
                     queued = len(self._waiting)
                 for handle in admit:
                     self._admit(handle)
                 self._drop_cancelled()
-                if self._seqs:
+                if self._seqs or self._filling:
                     self._step(queued)
         except Exception as e:  # a bug must not leave clients waiting forever
             msg = f"{type(e).__name__}: {e}"
@@ -228,7 +243,7 @@ class ServingEngine:
                 waiting, self._waiting = list(self._waiting), deque()
             for h in waiting:
                 h._put(Event([], "", "cancelled"))
-            for s in self._seqs:
+            for s in self._seqs + [f.seq for f in self._filling]:
                 if not s.handle.finished.is_set():
                     s.handle._put(Event([], "", "cancelled", stats=s.stats.as_dict()))
 
@@ -244,27 +259,39 @@ class ServingEngine:
             drafter = _BATCHED if self.slot_drafts is not None else self.drafter.fork()
         seq = _Seq(handle, drafter, self.policy.monitor(drafter is not None), self.engine.device, self.target.decode)
         seq.stats.queued_seconds = seq.started - handle.submitted
+        if seq.ids.shape[1] > 1:  # its prompt but the root is prefilled in chunks by the next steps
+            self._filling.append(_Fill(seq, self.engine.new_cache(capacity=seq.ids.shape[1] - 1)))
+        else:
+            self._start(seq, None, [])
+
+    def _start(self, seq: "_Seq", fill: "_Fill | None", features: list) -> None:
+        """A prefilled request takes the next slot row (its prefill KV copied in) and decodes."""
         row = self.slots.add()
         ids = seq.ids
-        if ids.shape[1] > 1:
-            view = self.slots.row_cache(row)
-            out = self.target.forward(ids[:, :-1], view, feature_layers=self.feature_layers,
-                                      logits_for=torch.zeros(0, dtype=torch.long))
-            view.commit()
-            self.slots.set_length(row, view.length)
-            features = out.features
+        if fill is not None:
+            n = fill.cache.length
+            self.slots.kv[:, :, row, :, :n] = fill.cache.kv[:, :, 0, :, :n]
+            self.slots.set_length(row, n)
+        if features and features[0] is not None:
+            features = torch.cat(features, dim=1)
         else:
             features = torch.zeros(1, 0, len(self.feature_layers), self.target.hidden_size, dtype=self.target.dtype)
-        if drafter is _BATCHED:
+        if seq.drafter is _BATCHED:
             self.slot_drafts.begin(row, ids, features)
-        elif drafter is not None:
-            drafter.begin(ids, features if self.feature_layers else None)
+        elif seq.drafter is not None:
+            seq.drafter.begin(ids, features if self.feature_layers else None)
         self._seqs.append(seq)
 
     def _drop_cancelled(self) -> None:
         for row in range(len(self._seqs) - 1, -1, -1):
             if self._seqs[row].handle.cancelled.is_set():
                 self._finish(row, "cancelled")
+        for fill in [f for f in self._filling if f.seq.handle.cancelled.is_set()]:
+            self._filling.remove(fill)
+            seq = fill.seq
+            seq.stats.seconds = time.perf_counter() - seq.handle.submitted
+            seq.handle._put(Event([], "", "cancelled", stats=seq.stats.as_dict()))
+            self.metrics.finished("cancelled", len(seq.handle.request.prompt_ids), seq.stats)
 
     def _drop_drafter(self, seq: "_Seq", error: Exception) -> None:
         """A drafter that raised: this request goes on with plain decoding (still lossless)."""
@@ -288,6 +315,9 @@ class ServingEngine:
 
     @torch.inference_mode()
     def _step(self, queued: int) -> None:
+        if not self._seqs:  # nothing decodes yet: this step only prefills
+            self._prefill_only()
+            return
         seqs, dev = self._seqs, self.engine.device
         t0 = time.perf_counter()
         depths = self.policy.choose([s.monitor if s.drafter is not None else _OFF for s in seqs])
@@ -323,7 +353,12 @@ class ServingEngine:
             positions[b, :n] += tree_depths(d.parents)[0]
             if n > 1:
                 block[b, :n, :n] = ancestor_matrix(d.parents)[0]
-        out = forward_slots(self.slots, tokens, positions, block, self.feature_layers)
+        chunks = self._chunks(self.max_step_tokens - B * N)
+        if chunks:
+            out, chunk_features = forward_mixed(self.slots, tokens, positions, block,
+                                                [(f.cache, ids) for f, ids in chunks], self.feature_layers)
+        else:
+            out = forward_slots(self.slots, tokens, positions, block, self.feature_layers)
         keeps, news, accepted = [], [], []
         for b, (s, d) in enumerate(zip(seqs, drafts)):
             n = d.num_nodes
@@ -354,7 +389,8 @@ class ServingEngine:
                     self._drop_drafter(s, e)
         t3 = time.perf_counter()
         drafted = sum(d.num_nodes - 1 for d in drafts)
-        self.policy.record_step(t2 - t1, B * N, (t1 - t0) + (t3 - t2), drafted)
+        if not chunks:  # the cost model's unit is a decode forward's (a prefill chunk would skew it)
+            self.policy.record_step(t2 - t1, B * N, (t1 - t0) + (t3 - t2), drafted)
         self.steps += 1
         self.metrics.step(B, queued, sum(1 for k in depths if k), t3 - t0)
         finished = []
@@ -367,6 +403,37 @@ class ServingEngine:
         self._errors = failed
         for row, reason in sorted(finished, reverse=True):
             self._finish(row, reason)
+        if chunks:
+            self._chunks_done(chunks, chunk_features)
+
+    def _chunks(self, budget: int) -> list:
+        """This step's prompt chunks, first admitted first: ``[(fill, ids)]`` within ``budget``
+        tokens (at least a quarter of ``max_step_tokens``, so prefill advances under any load)."""
+        budget = max(budget, self.max_step_tokens // 4, 1)
+        chunks = []
+        for fill in self._filling:
+            if budget <= 0:
+                break
+            todo = fill.seq.ids.shape[1] - 1 - fill.cache.length
+            c = min(todo, budget)
+            chunks.append((fill, fill.seq.ids[0, fill.cache.length: fill.cache.length + c]))
+            budget -= c
+        return chunks
+
+    def _chunks_done(self, chunks: list, features: list) -> None:
+        """Keep each chunk's features; requests whose prompt is now prefilled start decoding."""
+        for (fill, _), f in zip(chunks, features):
+            fill.features.append(f)
+            if fill.cache.length == fill.seq.ids.shape[1] - 1:
+                self._filling.remove(fill)
+                self._start(fill.seq, fill, fill.features)
+
+    def _prefill_only(self) -> None:
+        chunks = self._chunks(self.max_step_tokens)
+        empty = torch.zeros(0, 1, dtype=torch.long, device=self.engine.device)
+        _, features = forward_mixed(self.slots, empty, empty, None, [(f.cache, ids) for f, ids in chunks],
+                                    self.feature_layers)
+        self._chunks_done(chunks, features)
 
     def _emit(self, b: int, s: _Seq, d: Draft, depth: int, n_acc: int, new: torch.Tensor, now: float,
               finished: list) -> None:
@@ -406,6 +473,14 @@ class ServingEngine:
             s.handle._put(Event(step_tokens, text))
         if reason is not None:
             finished.append((b, reason))
+
+
+class _Fill:
+    """A request whose prompt is being prefilled into its own cache, chunk by chunk."""
+
+    def __init__(self, seq: _Seq, cache):
+        self.seq, self.cache = seq, cache
+        self.features: list = []  # per chunk [1, c, F, H] (or None without feature layers)
 
 
 class _Batched:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine import LlamaEngine, StaticKVCache, grouped_attention
+from ..engine import LlamaEngine, StaticKVCache, attend, grouped_attention
 from ..target import TargetOutput
 
 
@@ -150,6 +150,68 @@ def forward_slots(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
     entries are written after each row's committed length; :meth:`SlotCache.commit` keeps some."""
     engine = cache.engine
     B, n = tokens.shape
+    attention = _slot_attention(cache, B, n, block)
+    cos, sin = engine.rope(positions.to(engine.device))
+    x, feats = engine.run_layers(tokens, cos, sin, attention, feature_layers)
+    return engine.finish(x, feats, feature_layers, None)
+
+
+@torch.inference_mode()
+def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, block: torch.Tensor | None,
+                  chunks: list[tuple[StaticKVCache, torch.Tensor]], feature_layers: tuple[int, ...] = ()
+                  ) -> tuple[TargetOutput | None, list[torch.Tensor | None]]:
+    """:func:`forward_slots` for the ``B`` active rows (``tokens`` ``[B, n]``; ``B`` may be 0) and,
+    in the same forward, prompt chunks of requests being prefilled (chunked prefill): each
+    ``(prefill cache, ids [c])`` continues its own batch-1 cache (positions = its length onwards,
+    causal) and is committed there. The linears run once over all ``B*n + sum(c)`` tokens: the
+    decode rows' weight reads and fixed costs are shared with the prefill.
+
+    Returns (the decode rows' output, None when ``B`` is 0; per chunk its features
+    ``[1, c, F, H]`` or None without ``feature_layers``)."""
+    engine = cache.engine
+    dev = engine.device
+    B, n = tokens.shape
+    sizes = [B * n] + [int(ids.shape[0]) for _, ids in chunks]
+    pos = [positions.to(dev).reshape(-1)] + [pc.length + torch.arange(ids.shape[0], device=dev) for pc, ids in chunks]
+    flat = torch.cat([tokens.to(dev).reshape(-1)] + [ids.to(dev) for _, ids in chunks]).view(1, -1)
+    cos, sin = engine.rope(torch.cat(pos).view(1, -1))
+    decode = _slot_attention(cache, B, n, block) if B else None
+    masks = []
+    for pc, ids in chunks:
+        pc.check_ready()
+        c = int(ids.shape[0])
+        pc.reserve(c)
+        # the chunk sees its request's earlier chunks and itself causally; one token needs no mask
+        m = None if c == 1 else torch.ones(c, pc.length + c, dtype=torch.bool, device=dev).tril(pc.length)
+        masks.append(None if m is None else m.repeat(engine.groups, 1).view(1, 1, engine.groups * c, -1))
+
+    def attention(i, q, k, v):
+        qs, ks, vs = (t[0].split(sizes) for t in (q, k, v))
+        outs = [decode(i, qs[0].view(B, n, *q.shape[2:]), ks[0].view(B, n, *k.shape[2:]),
+                       vs[0].view(B, n, *v.shape[2:])).reshape(B * n, -1)] if B else []
+        for (pc, _), m, qc, kc, vc in zip(chunks, masks, qs[1:], ks[1:], vs[1:]):
+            outs.append(attend(pc.kv[i], qc[None], kc[None], vc[None], pc.length, m, engine.scale)[0])
+        return torch.cat(outs).view(1, flat.shape[1], -1)
+
+    x, feats = engine.run_layers(flat, cos, sin, attention, feature_layers)
+    for pc, ids in chunks:
+        pc.mark_appended(int(ids.shape[0]))
+        pc.commit()
+    logits_for = torch.arange(B * n, device=dev)
+    out = engine.finish(x, feats, feature_layers, logits_for)
+    features = out.features[0].split(sizes) if out.features is not None else [None] * len(sizes)
+    dec = None
+    if B:
+        dec = TargetOutput(logits=out.logits.view(B, n, -1),
+                           features=None if out.features is None else features[0].view(B, n, *features[0].shape[1:]))
+    return dec, [None if f is None else f.unsqueeze(0) for f in features[1:]]
+
+
+def _slot_attention(cache: SlotCache, B: int, n: int, block: torch.Tensor | None):
+    """The attention of :func:`forward_slots` for rows ``0..B-1`` with ``n`` new tokens each:
+    writes their K/V after each row's committed length and attends per range of rows
+    (:func:`row_groups`)."""
+    engine = cache.engine
     if B != cache.active:
         raise ValueError(f"{B} rows of tokens for {cache.active} active slots")
     lengths = torch.tensor(cache.lengths[:B], device=engine.device)
@@ -165,7 +227,6 @@ def forward_slots(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
     rows = torch.arange(B, device=engine.device).view(B, 1).expand(B, n)
     write = lengths.view(B, 1) + torch.arange(n, device=engine.device)
     kv = cache.kv
-    cos, sin = engine.rope(positions.to(engine.device))
 
     def attention(i, q, k, v):
         layer = kv[i]
@@ -176,5 +237,4 @@ def forward_slots(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
                 for (s, e, w), p in zip(groups, plain)]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    x, feats = engine.run_layers(tokens, cos, sin, attention, feature_layers)
-    return engine.finish(x, feats, feature_layers, None)
+    return attention
