@@ -114,7 +114,7 @@ def test_slot_forward_matches_solo_forwards_with_unequal_lengths_and_trees(targe
 def test_mixed_forward_runs_prefill_chunks_beside_decode_rows(target, decode_rows):
     """Chunked prefill: decode rows (trees) and prompt chunks of two requests in one forward give
     the decode rows their solo logits, and each request's chunks (1, 3 and 6 tokens, continued over
-    two forwards) the features and KV of a solo prefill of the whole prompt."""
+    two forwards) the features, KV and last-token logits of a solo prefill of the whole prompt."""
     engine = target._engine()
     gen = torch.Generator().manual_seed(3)
     lens = [6, 13][:decode_rows]
@@ -132,14 +132,15 @@ def test_mixed_forward_runs_prefill_chunks_beside_decode_rows(target, decode_row
     block = ancestor_matrix(par).expand(decode_rows, 3, 3)
     prompts_ = [torch.randint(0, 64, (n,), generator=gen) for n in (4, 9)]
     caches = [engine.new_cache(capacity=2) for _ in prompts_]  # grows as chunks arrive
-    feats = [[], []]
+    feats, last = [[], []], [None, None]
     for cuts in ([(0, 1), (0, 3)], [(1, 4), (3, 9)]):
         chunks = [(caches[j], prompts_[j][a:b]) for j, (a, b) in enumerate(cuts)]
         out, fs = slots_module.forward_mixed(slots, tokens[:, :1] if cuts[0][0] else tokens,
                                              pos[:, :1] if cuts[0][0] else pos, None if cuts[0][0] else block,
                                              chunks, feature_layers=(1, 2))
-        for j, f in enumerate(fs):
+        for j, (lg, f) in enumerate(fs):
             feats[j].append(f)
+            last[j] = lg
         if decode_rows and not cuts[0][0]:
             for b in range(decode_rows):
                 ref_cache = target.new_cache()
@@ -157,6 +158,7 @@ def test_mixed_forward_runs_prefill_chunks_beside_decode_rows(target, decode_row
         ref_cache.commit()
         assert caches[j].length == p.numel()
         torch.testing.assert_close(torch.cat(feats[j], dim=1), ref.features, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(last[j], ref.logits[0, -1], rtol=1e-9, atol=1e-9)  # the first token's logits
         torch.testing.assert_close(caches[j].kv[:, :, :, :, : p.numel()], ref_cache.kv[:, :, :, :, : p.numel()],
                                    rtol=1e-9, atol=1e-9)
 

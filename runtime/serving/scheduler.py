@@ -259,28 +259,42 @@ class ServingEngine:
             drafter = _BATCHED if self.slot_drafts is not None else self.drafter.fork()
         seq = _Seq(handle, drafter, self.policy.monitor(drafter is not None), self.engine.device, self.target.decode)
         seq.stats.queued_seconds = seq.started - handle.submitted
-        if seq.ids.shape[1] > 1:  # its prompt but the root is prefilled in chunks by the next steps
-            self._filling.append(_Fill(seq, self.engine.new_cache(capacity=seq.ids.shape[1] - 1)))
-        else:
-            self._start(seq, None, [])
+        # the whole prompt is prefilled in chunks by the next steps; the last chunk's logits give
+        # the first token
+        self._filling.append(_Fill(seq, self.engine.new_cache(capacity=seq.ids.shape[1])))
 
-    def _start(self, seq: "_Seq", fill: "_Fill | None", features: list) -> None:
-        """A prefilled request takes the next slot row (its prefill KV copied in) and decodes."""
+    def _start(self, fill: "_Fill", logits: torch.Tensor, finished: list) -> None:
+        """A prefilled request takes the next slot row (its prefill KV copied in), gets its first
+        token from the prompt's last logits (verified as a root-only step) and decodes."""
+        seq = fill.seq
         row = self.slots.add()
-        ids = seq.ids
-        if fill is not None:
-            n = fill.cache.length
-            self.slots.kv[:, :, row, :, :n] = fill.cache.kv[:, :, 0, :, :n]
-            self.slots.set_length(row, n)
-        if features and features[0] is not None:
-            features = torch.cat(features, dim=1)
-        else:
-            features = torch.zeros(1, 0, len(self.feature_layers), self.target.hidden_size, dtype=self.target.dtype)
-        if seq.drafter is _BATCHED:
-            self.slot_drafts.begin(row, ids, features)
-        elif seq.drafter is not None:
-            seq.drafter.begin(ids, features if self.feature_layers else None)
+        n = fill.cache.length
+        self.slots.kv[:, :, row, :, :n] = fill.cache.kv[:, :, 0, :, :n]
+        self.slots.set_length(row, n)
         self._seqs.append(seq)
+        draft = Draft.root_only(seq.ids[:, -1])
+        try:
+            res = verify(draft, logits.view(1, 1, -1), seq.sampling, seq.gen)
+        except Exception as e:  # noqa: BLE001 - fails this request only
+            self._errors[row] = f"{type(e).__name__}: {e}"
+            finished.append((row, "error"))
+            return
+        new = res.next_token.view(1, 1)
+        if seq.drafter is not None:
+            if fill.features and fill.features[0] is not None:
+                feats = torch.cat(fill.features, dim=1)  # [1, L, F, H]
+            else:
+                feats = torch.zeros(1, n, len(self.feature_layers), self.target.hidden_size, dtype=self.target.dtype)
+            try:  # as if a root-only step had run after a prefill of all but the root
+                if seq.drafter is _BATCHED:
+                    self.slot_drafts.begin(row, seq.ids, feats[:, :-1])
+                    self.slot_drafts.commit(row, new, feats[:, -1:])
+                else:
+                    seq.drafter.begin(seq.ids, feats[:, :-1] if self.feature_layers else None)
+                    seq.drafter.commit(new, feats[:, -1:] if self.feature_layers else None)
+            except Exception as e:  # noqa: BLE001
+                self._drop_drafter(seq, e)
+        self._emit(row, seq, draft, 0, 0, new, time.perf_counter(), finished)
 
     def _drop_cancelled(self) -> None:
         for row in range(len(self._seqs) - 1, -1, -1):
@@ -414,19 +428,22 @@ class ServingEngine:
         for fill in self._filling:
             if budget <= 0:
                 break
-            todo = fill.seq.ids.shape[1] - 1 - fill.cache.length
+            todo = fill.seq.ids.shape[1] - fill.cache.length
             c = min(todo, budget)
             chunks.append((fill, fill.seq.ids[0, fill.cache.length: fill.cache.length + c]))
             budget -= c
         return chunks
 
-    def _chunks_done(self, chunks: list, features: list) -> None:
+    def _chunks_done(self, chunks: list, outputs: list) -> None:
         """Keep each chunk's features; requests whose prompt is now prefilled start decoding."""
-        for (fill, _), f in zip(chunks, features):
+        finished = []
+        for (fill, _), (logits, f) in zip(chunks, outputs):
             fill.features.append(f)
-            if fill.cache.length == fill.seq.ids.shape[1] - 1:
+            if fill.cache.length == fill.seq.ids.shape[1]:
                 self._filling.remove(fill)
-                self._start(fill.seq, fill, fill.features)
+                self._start(fill, logits, finished)
+        for row, reason in sorted(finished, reverse=True):
+            self._finish(row, reason)
 
     def _prefill_only(self) -> None:
         chunks = self._chunks(self.max_step_tokens)

@@ -159,15 +159,15 @@ def forward_slots(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
 @torch.inference_mode()
 def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, block: torch.Tensor | None,
                   chunks: list[tuple[StaticKVCache, torch.Tensor]], feature_layers: tuple[int, ...] = ()
-                  ) -> tuple[TargetOutput | None, list[torch.Tensor | None]]:
+                  ) -> tuple[TargetOutput | None, list[tuple[torch.Tensor, torch.Tensor | None]]]:
     """:func:`forward_slots` for the ``B`` active rows (``tokens`` ``[B, n]``; ``B`` may be 0) and,
     in the same forward, prompt chunks of requests being prefilled (chunked prefill): each
     ``(prefill cache, ids [c])`` continues its own batch-1 cache (positions = its length onwards,
     causal) and is committed there. The linears run once over all ``B*n + sum(c)`` tokens: the
     decode rows' weight reads and fixed costs are shared with the prefill.
 
-    Returns (the decode rows' output, None when ``B`` is 0; per chunk its features
-    ``[1, c, F, H]`` or None without ``feature_layers``)."""
+    Returns (the decode rows' output, None when ``B`` is 0; per chunk (the logits of its last token
+    ``[V]``, its features ``[1, c, F, H]`` or None without ``feature_layers``))."""
     engine = cache.engine
     dev = engine.device
     B, n = tokens.shape
@@ -197,14 +197,15 @@ def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
     for pc, ids in chunks:
         pc.mark_appended(int(ids.shape[0]))
         pc.commit()
-    logits_for = torch.arange(B * n, device=dev)
+    ends = torch.tensor(sizes, device=dev).cumsum(0)
+    logits_for = torch.cat([torch.arange(B * n, device=dev), ends[1:] - 1])  # decode rows, each chunk's last
     out = engine.finish(x, feats, feature_layers, logits_for)
     features = out.features[0].split(sizes) if out.features is not None else [None] * len(sizes)
     dec = None
     if B:
-        dec = TargetOutput(logits=out.logits.view(B, n, -1),
+        dec = TargetOutput(logits=out.logits[:, : B * n].view(B, n, -1),
                            features=None if out.features is None else features[0].view(B, n, *features[0].shape[1:]))
-    return dec, [None if f is None else f.unsqueeze(0) for f in features[1:]]
+    return dec, [(out.logits[0, B * n + j], None if f is None else f.unsqueeze(0)) for j, f in enumerate(features[1:])]
 
 
 def _slot_attention(cache: SlotCache, B: int, n: int, block: torch.Tensor | None):
