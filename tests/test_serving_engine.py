@@ -38,6 +38,19 @@ def solo(target, ps, max_new_tokens=24):
     return [g.generate(prompt_ids=p, max_new_tokens=max_new_tokens, stop_at_eos=False).token_ids for p in ps]
 
 
+def prefilled_slots(target, lens, gen):
+    """A SlotCache whose rows hold random sequences of ``lens`` tokens (prefilled row by row)."""
+    seqs = [torch.randint(0, 64, (n,), generator=gen) for n in lens]
+    slots = SlotCache(target._engine(), slots=4, capacity=64)
+    for s in seqs:
+        row = slots.add()
+        view = slots.row_cache(row)
+        target.forward(s.view(1, -1), view)
+        view.commit()
+        slots.set_length(row, view.length)
+    return slots, seqs
+
+
 def test_row_groups_split_where_reading_padded_columns_costs_more_than_a_call():
     assert row_groups([10, 10, 10], overhead=160) == [(0, 3, 10)]
     # one long row among short ones gets its own range; the short ones share one
@@ -58,17 +71,9 @@ def test_slot_forward_matches_solo_forwards_with_unequal_lengths_and_trees(targe
     second step still matches a fresh solo computation of the committed sequences."""
     if overhead is not None:
         monkeypatch.setattr(slots_module, "GROUP_OVERHEAD_COLUMNS", overhead)
-    engine = target._engine()
     gen = torch.Generator().manual_seed(0)
     lens = [4, 11, 1]
-    seqs = [torch.randint(0, 64, (n,), generator=gen) for n in lens]
-    slots = SlotCache(engine, slots=4, capacity=64)
-    for s in seqs:
-        row = slots.add()
-        view = slots.row_cache(row)
-        target.forward(s.view(1, -1), view)
-        view.commit()
-        slots.set_length(row, view.length)
+    slots, seqs = prefilled_slots(target, lens, gen)
     # trees: a chain of 3, a 5-node tree, root only (padded to 5 nodes)
     parents = [torch.tensor([-1, 0, 1, 2]), torch.tensor([-1, 0, 0, 1, 2]), torch.tensor([-1])]
     N = 5
@@ -118,14 +123,7 @@ def test_mixed_forward_runs_prefill_chunks_beside_decode_rows(target, decode_row
     engine = target._engine()
     gen = torch.Generator().manual_seed(3)
     lens = [6, 13][:decode_rows]
-    seqs = [torch.randint(0, 64, (n,), generator=gen) for n in lens]
-    slots = SlotCache(engine, slots=4, capacity=64)
-    for s in seqs:
-        row = slots.add()
-        view = slots.row_cache(row)
-        target.forward(s.view(1, -1), view)
-        view.commit()
-        slots.set_length(row, view.length)
+    slots, seqs = prefilled_slots(target, lens, gen)
     par = torch.tensor([[-1, 0, 0]])
     tokens = torch.randint(0, 64, (decode_rows, 3), generator=gen)
     pos = torch.tensor(lens, dtype=torch.long).view(-1, 1) + tree_depths(par)
