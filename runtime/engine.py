@@ -128,11 +128,24 @@ class PreparedLinears:
     def __call__(self, lin: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return self.fused((lin,), x)
 
+    def prepare(self, lins: tuple[torch.nn.Linear, ...]) -> None:
+        """Prepare ``lins`` (one linear, or a group :meth:`fused` runs) for both kernels now, so a
+        first step does not pay for it (a weight edited later is re-prepared when next used)."""
+        for kernel in set(self.kernels):
+            self._entry(lins, kernel)
+
     def fused(self, lins: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> torch.Tensor:
         """``cat([lin(x) for lin in lins], -1)`` as one product over the concatenated weights."""
         kernel = self.kernels[0] if x.numel() == x.shape[-1] else self.kernels[1]
         if kernel == "aten" and len(lins) == 1:
             return F.linear(x, lins[0].weight, lins[0].bias)
+        hit = self._entry(lins, kernel)
+        return KERNELS[kernel][1](x, hit[0], hit[2])
+
+    def _entry(self, lins: tuple[torch.nn.Linear, ...], kernel: str) -> tuple:
+        """(prepared weight, stamp, bias) of ``lins`` for ``kernel``, remade when a weight changed."""
+        if kernel == "aten" and len(lins) == 1:
+            return (lins[0].weight, None, lins[0].bias)
         stamp = tuple(self._stamp(t) for lin in lins for t in (lin.weight, lin.bias) if t is not None)
         key = (tuple(id(lin) for lin in lins), kernel)
         hit = self._prepared.get(key)
@@ -143,7 +156,7 @@ class PreparedLinears:
                 b = None if all(v is None for v in biases) else torch.cat(
                     [w.new_zeros(lin.out_features) if v is None else v.detach() for v, lin in zip(biases, lins)])
                 hit = self._prepared[key] = (KERNELS[kernel][0](w), stamp, b)
-        return KERNELS[kernel][1](x, hit[0], hit[2])
+        return hit
 
 
 class LlamaEngine:

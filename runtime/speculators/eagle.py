@@ -202,7 +202,13 @@ class _EagleBase(nn.Module):
     def use_kernels(self, kernels: tuple[str, str] | None) -> None:
         """Run the drafting path's linears through the engine's kernels (e.g. the target
         engine's measured choice); None = ``F.linear``. Training's :meth:`forward` is unaffected."""
-        self.__dict__["_linears"] = PreparedLinears(kernels) if kernels else None
+        run = self.__dict__["_linears"] = PreparedLinears(kernels) if kernels else None
+        if run is not None:  # at load, not in the first drafting steps
+            attn, mlp = self.layer.self_attn, self.layer.mlp
+            groups = [(attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)]
+            grouped = {id(m) for g in groups for m in g}
+            for group in groups + [(m,) for m in self.modules() if isinstance(m, nn.Linear) and id(m) not in grouped]:
+                run.prepare(group)
 
     def _lin(self, lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         run = self.__dict__.get("_linears")
