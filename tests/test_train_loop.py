@@ -97,3 +97,37 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, monkeypatch):
     rows = read_offline_history(run)
     assert [r["_step"] for r in rows] == [1, 2, 3, 4]
     assert {"loss", "loss/step0", "top1/step0", "predicted_tau", "lr", "tokens_per_s"} <= set(rows[-1])
+
+
+@pytest.mark.parametrize("slow_steps, want", [(20, 200), (10_000, (55, 62))])
+def test_time_budget_schedule_is_refitted_from_the_recent_rate(tmp_path, monkeypatch, slow_steps, want):
+    """A fake clock: 1 s per step for the first ``slow_steps`` steps (another job on the CPU), then
+    0.1 s, under a 60-s budget. The schedule fitted at step 20 (58 steps) grows back to the plan
+    (200) once the steps are fast again; when they stay slow it stays at what 60 s hold."""
+    import types
+
+    import specfoundry.train.loop as loop_module
+
+    clock = {"t": 0.0, "steps": 0}
+    monkeypatch.setattr(loop_module, "time", types.SimpleNamespace(perf_counter=lambda: clock["t"], time=lambda: 0.0))
+    AcceleratorState._reset_state(True)
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    target = tiny_llama(0, dtype=torch.float32, hidden=16, layers=2)
+    head = Eagle3Head.from_target(target, draft_vocab_size=16)
+    method = Eagle3Method(head, target.lm_head, ttt_steps=1)
+    data = _data(target, head, n_batches=4, B=1, L=6)
+
+    def batches(epoch, start):
+        for b in data[start:]:
+            clock["t"] += 1.0 if clock["steps"] < slow_steps else 0.1
+            clock["steps"] += 1
+            yield b
+
+    cfg = LoopConfig(max_steps=200, learning_rate=1e-3, warmup_steps=2, checkpoint_every=0, log_every=1000,
+                     max_minutes=1.0)
+    summary = train_loop(acc, method, batches, cfg, tmp_path)
+    if isinstance(want, tuple):
+        assert want[0] <= summary["global_step"] <= want[1], summary["global_step"]
+    else:
+        assert summary["global_step"] == want and summary["max_steps"] == want
