@@ -16,9 +16,10 @@ and greedy choice: tested against it), so this changes only the cost of drafting
 the server emits still comes from the verifier.
 
 - ``begin``: the prompt's pairs run at once (batch 1, as the target's prefill just did);
-- ``commit``: the verified continuation's pairs are queued; the next ``propose`` that includes the
-  row runs every row's queue in one forward, padded to the longest (padding sits after a row's
-  real pairs, so causal attention never reads it, and it is overwritten later);
+- ``commit``: the verified continuation's pairs are queued (target features kept raw); the next
+  ``propose`` that includes the row fuses and runs every row's queue in one forward, padded to
+  the longest (padding sits after a row's real pairs, so causal attention never reads it, and it
+  is overwritten later);
 - ``propose``: greedy rows take the argmax, sampling rows draw from their processed draft
   distribution with their own generator (``Draft.q`` records it), one token per depth.
 """
@@ -88,8 +89,9 @@ class SlotDrafts:
             return
         if features is None or features.shape[1] != n:
             raise ValueError(f"need target features for the {n} new pairs")
-        hidden = self.head.fuse_features(features)[0]  # [n, H], fused once
-        self._pending[row].append((next_ids[0].to(self.head.device), hidden))
+        # kept raw ([n, F, H]) and fused when the row next drafts, for every drafting row at once: a
+        # request the policy keeps plain costs nothing here
+        self._pending[row].append((next_ids[0].to(self.head.device), features[0]))
 
     def _run(self, rows: list[int]) -> None:
         """Run the queued pairs of ``rows`` (padded to the longest) and commit them."""
@@ -97,13 +99,14 @@ class SlotDrafts:
         if not rows:
             return
         ids = [torch.cat([i for i, _ in self._pending[r]]) for r in rows]
-        hid = [torch.cat([h for _, h in self._pending[r]]) for r in rows]
         counts = [x.shape[0] for x in ids]
         n = max(counts)
         if any(self.lengths[r] + n > self.capacity for r in rows) and len(rows) > 1:
             for r in rows:  # the padding would not fit one of them: run each alone
                 self._run([r])
             return
+        fused = self.head.fuse_features(torch.cat([f for r in rows for _, f in self._pending[r]]).unsqueeze(0))[0]
+        hid = list(fused.split(counts))
         H = hid[0].shape[-1]
         dev = self.head.device
         ids_b = torch.zeros(len(rows), n, dtype=torch.long, device=dev)
