@@ -408,6 +408,30 @@ def test_chain_mode_is_a_chain(target):
         assert draft.parents[0].tolist() == [-1, 0, 1, 2]
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_greedy_chain_fast_path_equals_the_tree_search(kind, target):
+    """A greedy chain (node budget = depth) skips the tree search: it drafts the same tokens the
+    search with top_k=1 drafts, at every step of a generation (commits in between)."""
+    fast = load_drafter(kind, target, tree="chain", depth=4)
+    slow = load_drafter(kind, target, tree="chain", depth=4)
+    slow._grow_chain = lambda root, depth: slow._grow_greedy(root, depth, depth)  # the search
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, V, (1, 7), generator=g)
+    out = target.forward(ids[:, :-1], target.new_cache(), feature_layers=fast.feature_layers)
+    for d in (fast, slow):
+        d.begin(ids, out.features)
+    for step in range(6):
+        a = fast.propose(DraftContext(ids, SamplingParams(0.0), 4, 5))
+        b = slow.propose(DraftContext(ids, SamplingParams(0.0), 4, 5))
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents), step
+        n = 1 + step % 3
+        new = torch.cat([a.tokens[0, 1:n], torch.randint(0, V, (1,), generator=g)]).view(1, -1)
+        feats = torch.randn(1, new.shape[1], *out.features.shape[2:], generator=g, dtype=out.features.dtype)
+        for d in (fast, slow):
+            d.commit(new, feats)
+        ids = torch.cat([ids, new], dim=1)
+
+
 def naive_hidden(head, feats, prompt, path_tokens):
     """Head output for the last pair, recomputed from scratch along one path (no cache, causal)."""
     fused = head.fuse_features(feats)  # pairs (feature_t, token_{t+1})
@@ -459,6 +483,35 @@ def test_tree_attention_matches_naive_recomputation(kind, target):
             if d2t is not None:
                 q = torch.zeros(V, dtype=q.dtype).index_copy(0, d2t, q)
             assert torch.allclose(sampled.q[0, i], q, atol=1e-10), i
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_greedy_chain_reads_the_naive_hidden_states(kind, target):
+    """The chain fast path's head states at every depth equal a recomputation without a cache
+    along the drafted path, and each draft is the argmax of its logits."""
+    head = perturbed(make_head(kind, target), seed=3)
+    drafter = (EagleDrafter if kind == "eagle" else Eagle3Drafter)(head, tree="chain", depth=4)
+    prompt = torch.randint(0, V, (1, 8), generator=torch.Generator().manual_seed(7))
+    feats = target.forward(prompt[:, :-1], target.new_cache(), feature_layers=drafter.feature_layers).features
+    drafter.begin(prompt, feats)
+    seen, real = [], head.compute_logits
+
+    def recording(h):
+        seen.append(h.detach().clone())
+        return real(h)
+
+    d2t = head.draft_to_target
+    with torch.inference_mode():
+        head.compute_logits = recording
+        draft = drafter.propose(DraftContext(prompt, SamplingParams(0.0), 4, 5))
+        del head.compute_logits
+        assert draft.parents[0].tolist() == [-1, 0, 1, 2, 3] and len(seen) == 4
+        path = draft.tokens[0, 1:].tolist()
+        for d, h in enumerate(seen):
+            naive = naive_hidden(head, feats, prompt, path[:d])
+            torch.testing.assert_close(h.view(-1), naive.view(-1), rtol=1e-9, atol=1e-9)
+            top = int(real(naive).argmax())
+            assert path[d] == (top if d2t is None else int(d2t[top]))
 
 
 def test_medusa_greedy_tokens_follow_head_ranks(target):

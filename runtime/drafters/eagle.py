@@ -10,6 +10,7 @@ run at the next ``propose`` (so nothing is computed for a sequence that ends). T
 then appends draft entries (positions by depth, an ancestor mask) and crops the cache back to
 the committed length before returning.
 
+Greedy chains (a node budget equal to the depth): the argmax at every depth, no tree search.
 Greedy mode (EAGLE-2): the root gets ``top_k`` children; at each further depth the ``top_k``
 newest nodes with the best cumulative log-probability are expanded (one head forward for all of
 them), each with ``top_k`` children; finally the best ``max_nodes - 1`` nodes by cumulative
@@ -104,6 +105,8 @@ class EagleDrafter(Drafter):
             return Draft.root_only(root)
         base = self.cache.length
         try:
+            if ctx.sampling.greedy and budget == depth and self._static:
+                return self._grow_chain(root, depth)
             if ctx.sampling.greedy:
                 return self._grow_greedy(root, depth, budget)
             return self._grow_sampling(root, depth, budget, ctx)
@@ -159,6 +162,24 @@ class EagleDrafter(Drafter):
                             attention_mask=allowed.unsqueeze(0), cache=self.cache)
         self.cache.commit()  # kept until the crop in propose
         return out[0], rows
+
+    def _grow_chain(self, root: torch.Tensor, depth: int) -> Draft:
+        """Greedy chain (a node budget of ``depth``): the argmax at each depth, one masked-free
+        one-token head step per further depth (each draft sees every earlier one: causal). The
+        tree search's ranking and bookkeeping are not needed for a chain."""
+        head = self.head
+        d2t = head.draft_to_target
+        h = self._root_hidden.view(1, 1, -1)
+        base = self.cache.length
+        drafts = []
+        for d in range(depth):
+            tok = head.compute_logits(h[:, -1]).argmax(-1)  # [1] draft-vocabulary id
+            tok = tok if d2t is None else d2t[tok]
+            drafts.append(tok)
+            if d + 1 < depth:
+                h = head.step(tok.view(1, 1), h, self.cache, position_ids=torch.full((1, 1), base + d, device=tok.device))
+                self.cache.commit()  # kept until the crop in propose
+        return Draft.chain(root.view(1).to(h.device), torch.cat(drafts).view(1, depth))
 
     def _grow_greedy(self, root: torch.Tensor, depth: int, budget: int) -> Draft:
         head, k = self.head, self.top_k
