@@ -39,15 +39,15 @@ def solo(target, ps, max_new_tokens=24):
 
 
 def prefilled_slots(target, lens, gen):
-    """A SlotCache whose rows hold random sequences of ``lens`` tokens (prefilled row by row)."""
+    """A SlotCache whose rows hold random sequences of ``lens`` tokens (each prefilled on its own
+    cache, then taken into a row)."""
     seqs = [torch.randint(0, 64, (n,), generator=gen) for n in lens]
     slots = SlotCache(target._engine(), slots=4, capacity=64)
     for s in seqs:
-        row = slots.add()
-        view = slots.row_cache(row)
-        target.forward(s.view(1, -1), view)
-        view.commit()
-        slots.set_length(row, view.length)
+        cache = target.new_cache()
+        target.forward(s.view(1, -1), cache)
+        cache.commit()
+        slots.add(cache)
     return slots, seqs
 
 

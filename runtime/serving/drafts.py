@@ -146,20 +146,14 @@ class SlotDrafts:
         greedy = [sampling[i].greedy for i in live]
         for d in range(depth):
             logits = head.compute_logits(h)  # [R, Vd]
-            tok = torch.empty(len(live), dtype=torch.long, device=dev)
-            q_d: list[torch.Tensor | None] = []
-            if all(greedy):
-                tok = logits.argmax(-1)
-                q_d = [None] * len(live)
-            else:
+            tok = logits.argmax(-1)  # greedy rows; sampling rows draw below
+            q_d: list[torch.Tensor | None] = [None] * len(live)
+            if not all(greedy):
                 for j, i in enumerate(live):
-                    if greedy[j]:
-                        tok[j] = logits[j].argmax()
-                        q_d.append(None)
-                    else:
+                    if not greedy[j]:
                         q = probs_from_logits(logits[j: j + 1], sampling[i])[0]  # draft vocabulary
                         tok[j] = torch.multinomial(q, 1, generator=generators[i])[0]
-                        q_d.append(q)
+                        q_d[j] = q
             target_tok = tok if d2t is None else d2t[tok]
             tokens.append(target_tok)
             qs.append(q_d)

@@ -267,10 +267,8 @@ class ServingEngine:
         """A prefilled request takes the next slot row (its prefill KV copied in), gets its first
         token from the prompt's last logits (verified as a root-only step) and decodes."""
         seq = fill.seq
-        row = self.slots.add()
+        row = self.slots.add(fill.cache)
         n = fill.cache.length
-        self.slots.kv[:, :, row, :, :n] = fill.cache.kv[:, :, 0, :, :n]
-        self.slots.set_length(row, n)
         self._seqs.append(seq)
         draft = Draft.root_only(seq.ids[:, -1])
         try:

@@ -46,26 +46,21 @@ class SlotCache:
     def capacity(self) -> int:
         return self.kv.shape[4]
 
-    def add(self) -> int:
-        """Open the next row for a new sequence (empty); returns its index."""
+    @torch.inference_mode()
+    def add(self, prefill: StaticKVCache | None = None) -> int:
+        """Open the next row for a new sequence, holding the committed entries of ``prefill`` (a
+        batch-1 cache the prompt was prefilled into; None: empty); returns its index."""
         if self.active >= self.slots:
             raise RuntimeError("no free slot")
         row = self.active
+        n = prefill.length if prefill is not None else 0
+        if n > self.capacity:
+            raise ValueError(f"a prefill of {n} entries exceeds the slot capacity ({self.capacity})")
+        if n:
+            self.kv[:, :, row, :, :n] = prefill.kv[:, :, 0, :, :n]
         self.active += 1
-        self.lengths[row] = 0
+        self.lengths[row] = n
         return row
-
-    def row_cache(self, row: int) -> StaticKVCache:
-        """A :class:`StaticKVCache` view of one row (batch 1) for the engine's ordinary forward,
-        e.g. a prefill; writes land in this cache. Its committed length is the row's."""
-        view = StaticKVCache(self.engine.num_layers, self.engine.hkv, self.engine.head_dim, capacity=0,
-                             dtype=self.kv.dtype, device=self.kv.device)
-        view.kv = self.kv[:, :, row: row + 1]
-        view.length = self.lengths[row]
-        return view
-
-    def set_length(self, row: int, length: int) -> None:
-        self.lengths[row] = length
 
     @torch.inference_mode()
     def remove(self, row: int) -> int | None:
