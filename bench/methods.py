@@ -8,6 +8,9 @@ A method spec is ``SOURCE[:SHAPE][@DEPTH]``:
 - ``ngram`` / ``draft``: shapes ``chain`` (default) and ``adaptive``;
 - ``medusa``: ``static`` (its static tree, default), ``chain``, ``adaptive``;
 - ``eagle`` / ``eagle3``: ``dynamic`` (EAGLE-2 tree, default), ``chain``, ``adaptive``;
+- ``lookup`` (every model drafter): its chain of ``@DEPTH``, with prompt lookup first (a
+  continuation of at most 5 tokens whenever the context's last >= 2 tokens occurred before:
+  :class:`~specfoundry.runtime.drafters.lookup.LookupFirstDrafter`);
 - peers: ``hf``, ``hf-lookup[@K]``, ``hf-assisted``; out-of-process peers (``vllm``,
   ``vllm-eagle3[@K]``, ``llamacpp``, ``llamacpp-lookup[@K]``) live in :mod:`specfoundry.bench.external`.
 
@@ -32,11 +35,13 @@ from specfoundry.runtime import SpeculativeGenerator, load_drafter
 from specfoundry.runtime.adaptive import AcceptanceTally
 from specfoundry.runtime.drafters.base import Drafter
 from specfoundry.runtime.drafters.draft import DraftModelDrafter, layer_subset_model
+from specfoundry.runtime.drafters.lookup import LookupFirstDrafter
 from specfoundry.runtime.target import TargetModel
 from specfoundry.runtime.tree import tree_depths
 
-SHAPES = {"ngram": ("chain", "adaptive"), "draft": ("chain", "adaptive"), "medusa": ("static", "chain", "adaptive"),
-          "eagle": ("dynamic", "chain", "adaptive"), "eagle3": ("dynamic", "chain", "adaptive")}
+SHAPES = {"ngram": ("chain", "adaptive"), "draft": ("chain", "adaptive", "lookup"),
+          "medusa": ("static", "chain", "adaptive", "lookup"),
+          "eagle": ("dynamic", "chain", "adaptive", "lookup"), "eagle3": ("dynamic", "chain", "adaptive", "lookup")}
 HF_PEERS = ("hf", "hf-lookup", "hf-assisted")
 EXTERNAL_PEERS = ("vllm", "vllm-eagle3", "llamacpp", "llamacpp-lookup")
 _SPEC = re.compile(r"^(?P<src>[A-Za-z0-9_.\-]+?)(?::(?P<shape>[a-z]+))?(?:@(?P<depth>\d+))?$")
@@ -287,11 +292,18 @@ class MethodFactory:
         if shape not in shapes:
             raise ValueError(f"unknown shape {shape!r} for {src_name} ({src.type}): choose from {list(shapes)}")
         adaptive = shape == "adaptive"
-        drafter = self._drafter(src, shapes[0] if adaptive else shape, depth)
+        drafter = self._drafter(src, {"adaptive": shapes[0], "lookup": "chain"}.get(shape, shape), depth)
         k = depth or drafter.default_depth
-        gen = SpeculativeGenerator(self.target, RecordingDrafter(drafter), max_depth=k, adaptive=adaptive)
         shape_text = {"chain": "chain", "static": "static tree", "dynamic": "dynamic tree (EAGLE-2)",
-                      "adaptive": f"{shapes[0]} with adaptive depth"}[shape]
+                      "adaptive": f"{shapes[0]} with adaptive depth"}.get(shape)
+        max_depth = k
+        if shape == "lookup":
+            drafter = LookupFirstDrafter(drafter)
+            look = drafter.lookup
+            max_depth = drafter.default_depth  # the lookup chain may be deeper than the model's
+            shape_text = (f"prompt lookup first (>= {look.min_ngram}-token match, <= {look.default_depth} tokens), "
+                          "else chain")
+        gen = SpeculativeGenerator(self.target, RecordingDrafter(drafter), max_depth=max_depth, adaptive=adaptive)
         label = f"{src.type} ({src.describe()}), {shape_text}, depth {k}" + ("" if adaptive else ", fixed")
         return Method(f"{src_name}:{shape}@{k}", label, "ours", generator_runner(gen), draft_depth=k)
 

@@ -10,7 +10,7 @@ or ``specfoundry.export``.
 """
 
 from .engine import EngineTarget, StaticKVCache
-from .drafters import DraftContext, Drafter, available_drafters, load_drafter, register_drafter
+from .drafters import DraftContext, Drafter, LookupFirstDrafter, available_drafters, load_drafter, register_drafter
 from .generator import GenerationOutput, GenerationStats, SpeculativeGenerator, StreamChunk
 from .models import DEFAULT_TARGET, load_target, wrap_target
 from .sampling import SamplingParams, probs_from_logits
@@ -20,7 +20,8 @@ from .verify import VerifyResult, verify
 
 __all__ = [
     "DEFAULT_TARGET", "Draft", "DraftContext", "Drafter", "EngineTarget", "GenerationOutput", "GenerationStats", "KVCache",
-    "SamplingParams", "SpeculativeGenerator", "StaticKVCache", "StreamChunk", "TargetModel", "TargetOutput", "VerifyResult",
+    "LookupFirstDrafter", "SamplingParams", "SpeculativeGenerator", "StaticKVCache", "StreamChunk", "TargetModel",
+    "TargetOutput", "VerifyResult",
     "available_drafters", "load_drafter", "load_target", "probs_from_logits", "register_drafter", "verify",
     "wrap_target",
 ]

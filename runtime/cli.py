@@ -33,6 +33,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--depth", type=int, default=None, help="max draft depth (default: the drafter's)")
     p.add_argument("--nodes", type=int, default=None, help="max draft-tree nodes incl. the root")
     p.add_argument("--no-adaptive", action="store_true", help="always draft at --depth")
+    p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                   help="draft the prompt-lookup continuation whenever the last N tokens occurred earlier in "
+                        "prompt + output, else the drafter's draft (0: off)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
                    help="auto (default): the dtype whose plain decoding is fastest here, measured at load")
@@ -80,18 +83,21 @@ def check_generate_args(args) -> None:
         check_int("--depth", args.depth, 1, MAX_DRAFT_DEPTH)
     if args.nodes is not None:
         check_int("--nodes", args.nodes, 2, MAX_DRAFT_NODES)
+    check_int("--prompt-lookup", args.prompt_lookup, 0, 64)
     check_device(args.device)
 
 
 def _generate(args) -> int:
     from .generator import SpeculativeGenerator
-    from .drafters import load_drafter
+    from .drafters import LookupFirstDrafter, load_drafter
     from .lossless import compare_greedy
     from .models import load_target
 
     check_generate_args(args)
     target = load_target(args.target, device=args.device, dtype=DTYPES[args.dtype], backend=args.backend)
     drafter = load_drafter(args.drafter, target=target)
+    if args.prompt_lookup:
+        drafter = LookupFirstDrafter(drafter, min_match=args.prompt_lookup)
     gen = SpeculativeGenerator(target, drafter, max_depth=args.depth, max_nodes=args.nodes, adaptive=not args.no_adaptive)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)

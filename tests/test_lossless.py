@@ -7,6 +7,7 @@ import torch
 from tiny_models import perturbed_copy, tiny_llama
 from specfoundry.runtime import SpeculativeGenerator, available_drafters, load_drafter
 from specfoundry.runtime.drafters.draft import DraftModelDrafter
+from specfoundry.runtime.drafters.lookup import LookupFirstDrafter
 from specfoundry.runtime.lossless import compare_greedy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -33,6 +34,11 @@ def _drafters(target):
             out.append((f"{kind}-dynamic", load_drafter(kind, target=target), {}))
             out.append((f"{kind}-chain", load_drafter(kind, target=target, tree="chain"), dict(max_depth=4)))
             out.append((f"{kind}-tight", load_drafter(kind, target=target), dict(max_depth=2, max_nodes=5)))
+            # lookup steps and head steps interleave (the head's queued pairs span lookup steps)
+            out.append((f"{kind}-lookup", LookupFirstDrafter(load_drafter(kind, target=target, tree="chain", depth=3),
+                                                             min_match=2), {}))
+    out.append(("draft-lookup", LookupFirstDrafter(DraftModelDrafter(perturbed_copy(target, 0.05), target), min_match=1),
+                dict(max_depth=4)))
     return out
 
 

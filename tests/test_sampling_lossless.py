@@ -83,6 +83,12 @@ def _cases(target):
     if "eagle3" in available_drafters():
         cases.append(("eagle3 dynamic tree T=1", load_drafter("eagle3", target=target, top_k=2, depth=2),
                       dict(max_depth=2, max_nodes=7), SamplingParams(1.0)))
+        # one-hot lookup chains when the last token occurred before, sampled head chains otherwise
+        from specfoundry.runtime.drafters.lookup import LookupFirstDrafter
+
+        cases.append(("eagle3 chain, lookup first T=1",
+                      LookupFirstDrafter(load_drafter("eagle3", target=target, tree="chain", depth=2), min_match=1,
+                                         lookup_depth=2), dict(max_depth=2, max_nodes=3), SamplingParams(1.0)))
         # a reduced, permuted draft vocabulary: drafts are drawn over it and q mapped into the target's
         from specfoundry.runtime.drafters.eagle import Eagle3Drafter
         from specfoundry.runtime.speculators import Eagle3Head
@@ -105,7 +111,7 @@ def _cases(target):
 
 
 CASE_NAMES = ["draft-chain T=1", "draft-chain T=0.7 top-p 0.9", "ngram deterministic T=1.3 top-k 4", "plain T=0.9 top-p 0.9",
-              "eagle3 dynamic tree T=1", "eagle3 reduced vocab T=1", "medusa static tree T=0.8 top-p 0.95",
+              "eagle3 dynamic tree T=1", "eagle3 chain, lookup first T=1", "eagle3 reduced vocab T=1", "medusa static tree T=0.8 top-p 0.95",
               "medusa reduced vocab T=1"]
 
 

@@ -16,6 +16,7 @@ from . import draft as _draft  # noqa: F401  (registers "draft")
 
 from . import eagle as _eagle  # noqa: F401  (registers "eagle", "eagle3")
 from . import medusa as _medusa  # noqa: F401  (registers "medusa")
+from .lookup import LookupFirstDrafter
 
 
 def _json_keys(cfg_file: Path) -> set:
@@ -69,4 +70,4 @@ def load_drafter(source, target, **options) -> Drafter:
     )
 
 
-__all__ = ["DRAFTER_REGISTRY", "DraftContext", "Drafter", "available_drafters", "load_drafter", "register_drafter"]
+__all__ = ["DRAFTER_REGISTRY", "DraftContext", "Drafter", "LookupFirstDrafter", "available_drafters", "load_drafter", "register_drafter"]
