@@ -10,7 +10,8 @@ A method spec is ``SOURCE[:SHAPE][@DEPTH]``:
 - ``eagle`` / ``eagle3``: ``dynamic`` (EAGLE-2 tree, default), ``chain``, ``adaptive``;
 - ``lookup`` (every model drafter): its chain of ``@DEPTH``, with prompt lookup first (a
   continuation of at most 5 tokens whenever the context's last >= 2 tokens occurred before:
-  :class:`~specfoundry.runtime.drafters.lookup.LookupFirstDrafter`);
+  :class:`~specfoundry.runtime.drafters.lookup.LookupFirstDrafter`); ``lookup-adaptive``: the
+  same lookup before the ``adaptive`` shape (the controller drives the model drafter's steps);
 - peers: ``hf``, ``hf-lookup[@K]``, ``hf-assisted``; out-of-process peers (``vllm``,
   ``vllm-eagle3[@K]``, ``llamacpp``, ``llamacpp-lookup[@K]``) live in :mod:`specfoundry.bench.external`.
 
@@ -39,12 +40,13 @@ from specfoundry.runtime.drafters.lookup import LookupFirstDrafter
 from specfoundry.runtime.target import TargetModel
 from specfoundry.runtime.tree import tree_depths
 
-SHAPES = {"ngram": ("chain", "adaptive"), "draft": ("chain", "adaptive", "lookup"),
-          "medusa": ("static", "chain", "adaptive", "lookup"),
-          "eagle": ("dynamic", "chain", "adaptive", "lookup"), "eagle3": ("dynamic", "chain", "adaptive", "lookup")}
+_LOOKUP = ("lookup", "lookup-adaptive")
+SHAPES = {"ngram": ("chain", "adaptive"), "draft": ("chain", "adaptive") + _LOOKUP,
+          "medusa": ("static", "chain", "adaptive") + _LOOKUP,
+          "eagle": ("dynamic", "chain", "adaptive") + _LOOKUP, "eagle3": ("dynamic", "chain", "adaptive") + _LOOKUP}
 HF_PEERS = ("hf", "hf-lookup", "hf-assisted")
 EXTERNAL_PEERS = ("vllm", "vllm-eagle3", "llamacpp", "llamacpp-lookup")
-_SPEC = re.compile(r"^(?P<src>[A-Za-z0-9_.\-]+?)(?::(?P<shape>[a-z]+))?(?:@(?P<depth>\d+))?$")
+_SPEC = re.compile(r"^(?P<src>[A-Za-z0-9_.\-]+?)(?::(?P<shape>[a-z][a-z\-]*))?(?:@(?P<depth>\d+))?$")
 
 
 @dataclass
@@ -89,6 +91,8 @@ class RecordingDrafter(Drafter):
         self.feature_layers = inner.feature_layers
         self.default_depth = inner.default_depth
         self.default_nodes = inner.default_nodes
+        if hasattr(inner, "pre_draft"):  # the generator's optional hook, recorded like propose
+            self.pre_draft = self._pre_draft
         self.reset()
 
     def reset(self) -> None:
@@ -109,9 +113,15 @@ class RecordingDrafter(Drafter):
         self.inner.begin(prompt_ids, features)
 
     def propose(self, ctx):
-        draft = self.inner.propose(ctx)
-        self._depth = int(tree_depths(draft.parents).max()) if draft.num_nodes > 1 else 0
+        return self._seen(self.inner.propose(ctx))
+
+    def _seen(self, draft):
+        if draft is not None:
+            self._depth = int(tree_depths(draft.parents).max()) if draft.num_nodes > 1 else 0
         return draft
+
+    def _pre_draft(self, tokens, max_depth):
+        return self._seen(self.inner.pre_draft(tokens, max_depth))
 
     def commit(self, new_tokens, features) -> None:
         self.tally.record(self._depth, int(new_tokens.shape[1]) - 1)
@@ -291,18 +301,19 @@ class MethodFactory:
         shape = shape or shapes[0]
         if shape not in shapes:
             raise ValueError(f"unknown shape {shape!r} for {src_name} ({src.type}): choose from {list(shapes)}")
-        adaptive = shape == "adaptive"
-        drafter = self._drafter(src, {"adaptive": shapes[0], "lookup": "chain"}.get(shape, shape), depth)
+        adaptive = shape in ("adaptive", "lookup-adaptive")
+        inner = {"adaptive": shapes[0], "lookup": "chain", "lookup-adaptive": shapes[0]}.get(shape, shape)
+        drafter = self._drafter(src, inner, depth)
         k = depth or drafter.default_depth
         shape_text = {"chain": "chain", "static": "static tree", "dynamic": "dynamic tree (EAGLE-2)",
                       "adaptive": f"{shapes[0]} with adaptive depth"}.get(shape)
         max_depth = k
-        if shape == "lookup":
+        if shape in _LOOKUP:
             drafter = LookupFirstDrafter(drafter)
             look = drafter.lookup
-            max_depth = drafter.default_depth  # the lookup chain may be deeper than the model's
+            max_depth = max(k, look.default_depth)  # the lookup chain may be deeper than the model's
             shape_text = (f"prompt lookup first (>= {look.min_ngram}-token match, <= {look.default_depth} tokens), "
-                          "else chain")
+                          f"else {'adaptive ' + shapes[0] if adaptive else 'chain'}")
         gen = SpeculativeGenerator(self.target, RecordingDrafter(drafter), max_depth=max_depth, adaptive=adaptive)
         label = f"{src.type} ({src.describe()}), {shape_text}, depth {k}" + ("" if adaptive else ", fixed")
         return Method(f"{src_name}:{shape}@{k}", label, "ours", generator_runner(gen), draft_depth=k)

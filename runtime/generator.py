@@ -348,6 +348,7 @@ class SpeculativeGenerator:
         eos = target.eos_token_ids if stop_at_eos else set()
         feature_layers = tuple(drafter.feature_layers) if drafter else ()
         max_depth = self.max_depth if drafter else 0
+        pre_draft = getattr(drafter, "pre_draft", None)
         adaptive = self.adaptive and drafter is not None
         if adaptive:
             # one controller per generator: what it measured (acceptance, costs) carries over requests
@@ -381,14 +382,19 @@ class SpeculativeGenerator:
         while len(emitted) < max_new_tokens:
             root = ids[:, -1]
             t0 = time.perf_counter()
-            shape = control.choose(shapes) if drafter is not None else (0, 1)
-            depth = shape[0]
-            if limit is not None:  # no draft node past the last position the target knows
-                depth = max(0, min(depth, limit - ids.shape[1]))
-            if depth > 0:
-                draft = drafter.propose(DraftContext(ids, sampling, depth, shape[1], gen))
-            else:
-                draft = Draft.root_only(root)
+            # no draft node past the last position the target knows
+            room = min(max_depth, self.max_nodes - 1)
+            if limit is not None:
+                room = max(0, min(room, limit - ids.shape[1]))
+            draft = pre_draft(ids, room) if pre_draft is not None and room > 0 else None
+            shape = None  # a pre-drafted step is not the controller's
+            if draft is None:
+                shape = control.choose(shapes) if drafter is not None else (0, 1)
+                depth = min(shape[0], room)
+                if depth > 0:
+                    draft = drafter.propose(DraftContext(ids, sampling, depth, shape[1], gen))
+                else:
+                    draft = Draft.root_only(root)
             t1 = time.perf_counter()
             depths = tree_depths(draft.parents)
             mask = ancestor_matrix(draft.parents) if draft.num_nodes > 1 else None
@@ -407,7 +413,8 @@ class SpeculativeGenerator:
             n_drafted = draft.num_nodes - 1
             n_acc = int(res.accept_len[0])
             depth_drafted = int(depths.max()) if n_drafted else 0
-            control.record(shape, depth_drafted, n_acc, draft.num_nodes, t2 - t1, (t1 - t0) + (t3 - t2))
+            if shape is not None:
+                control.record(shape, depth_drafted, n_acc, draft.num_nodes, t2 - t1, (t1 - t0) + (t3 - t2))
             tally.record(depth_drafted, n_acc)
             stats.target_forwards += 1
             stats.drafted += n_drafted

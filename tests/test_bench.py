@@ -132,6 +132,9 @@ def test_method_specs_and_errors(tiny_chat, tmp_path):
     assert f.build("eagle3").name == "eagle3:dynamic@5"
     assert "untrained random-init head" in f.build("medusa:static").label
     assert "untrained layer-subset draft" in f.build("hf-assisted").label
+    look = f.build("eagle3:lookup@3")  # the head's chain of 3, lookup chains up to 5
+    assert look.name == "eagle3:lookup@3" and "prompt lookup first (>= 2-token match, <= 5 tokens), else chain" in look.label
+    assert "else adaptive dynamic" in f.build("eagle3:lookup-adaptive").label
     for spec, match in [("nope", "unknown method 'nope'"), ("ngram:dynamic", "unknown shape 'dynamic'"),
                         ("eagle3:chain@0", "draft depth must be >= 1"), ("plain:chain", "plain takes no shape"),
                         ("vllm", "out-of-process peer"), ("bad spec!", "bad method spec")]:
@@ -155,7 +158,7 @@ def test_draft_run_directory_becomes_the_draft_source(tiny_chat, tmp_path):
 # -- end to end -----------------------------------------------------------------------------
 def test_tiny_bench_run_writes_valid_report_markdown_and_plots(tiny_dir, tmp_path, capsys):
     out = tmp_path / "bench"
-    methods = "plain,ngram:chain,ngram:adaptive,draft:chain@3,eagle3:dynamic,eagle3:chain@3,medusa:static"
+    methods = "plain,ngram:chain,ngram:adaptive,draft:chain@3,eagle3:dynamic,eagle3:chain@3,eagle3:lookup-adaptive,medusa:static"
     rc = cli_main(["bench", "--target", str(tiny_dir), "--dtype", "float64", "--categories", "conversation,math",
                    "--limit", "1", "--max-new-tokens", "10", "--temperature", "0", "1", "--methods", methods,
                    "--peers", "hf,hf-lookup,hf-assisted,llamacpp", "--out", str(out), "--no-progress"])

@@ -46,7 +46,7 @@ def test_long_match_drafts_the_copy_short_match_asks_the_model():
     assert inner.seen == tokens  # the wrapped drafter saw the lookup step's commit too
     draft = d.propose(_ctx(tokens))
     assert draft.tokens.tolist() == [[1, 99]] and inner.calls == 1
-    assert (d.lookups, d.proposals) == (1, 2)
+    assert (d.lookups, d.model_drafts) == (1, 1)
 
 
 def test_min_match_and_budget_bound_the_lookup():
@@ -73,3 +73,25 @@ def test_shape_defaults_and_forks_are_independent():
         LookupFirstDrafter(CountingDrafter(), min_match=0)
     with pytest.raises(TypeError, match="Drafter"):
         LookupFirstDrafter(object())
+
+
+def test_generator_takes_lookup_drafts_before_the_controller_and_keeps_them_out_of_its_estimates(monkeypatch):
+    """Under the adaptive controller a lookup draft is verified even where the controller would
+    decode plainly, and only the model drafter's steps reach the controller's estimates."""
+    from tiny_models import tiny_llama
+    from specfoundry.runtime import SpeculativeGenerator, load_drafter
+    from specfoundry.runtime.adaptive import AdaptiveController
+
+    recorded = []
+    real = AdaptiveController.record
+    monkeypatch.setattr(AdaptiveController, "record", lambda self, *a: (recorded.append(a), real(self, *a))[1])
+    target = tiny_llama(0)
+    d = LookupFirstDrafter(load_drafter("eagle3", target=target, tree="chain", depth=2), min_match=1)
+    gen = SpeculativeGenerator(target, d, adaptive=True)
+    prompt = [5, 6, 5, 6, 5, 6, 5, 6, 5, 6, 30, 31]
+    out = gen.generate(prompt_ids=prompt, max_new_tokens=40)
+    n_recorded = len(recorded)
+    assert out.token_ids == gen.generate(prompt_ids=prompt, max_new_tokens=40, speculate=False).token_ids
+    assert d.lookups > 0 and d.model_drafts > 0
+    # every forward is either a lookup step or one the controller chose (and recorded)
+    assert n_recorded == out.stats.target_forwards - d.lookups

@@ -13,6 +13,8 @@ from test_sampling_lossless import PROMPT, STEPS, exact_distribution, goodness_o
 from tiny_models import perturbed_copy, tiny_llama
 from specfoundry.runtime import SpeculativeGenerator, load_drafter
 from specfoundry.runtime.drafters.draft import DraftModelDrafter
+from specfoundry.runtime.drafters.lookup import LookupFirstDrafter
+from specfoundry.runtime.drafters.ngram import NgramDrafter
 from specfoundry.runtime.sampling import SamplingParams
 from specfoundry.runtime.serving import slots as slots_module
 from specfoundry.runtime.serving.slots import row_groups
@@ -161,17 +163,36 @@ def test_mixed_forward_runs_prefill_chunks_beside_decode_rows(target, decode_row
                                    rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("drafter", ["draft", "eagle3", "medusa", "ngram", None])
+def _serving_drafter(target, drafter):
+    if drafter == "draft":
+        return DraftModelDrafter(perturbed_copy(target, 0.02), depth=4)
+    if drafter == "eagle3+lookup":  # batched head rows and lookup rows in the same steps
+        return LookupFirstDrafter(load_drafter("eagle3", target, tree="chain", depth=3), min_match=1)
+    return load_drafter(drafter, target) if drafter else None
+
+
+def _count_lookups(monkeypatch) -> list:
+    """Counts lookups that found a continuation (so a test sees the lookup path really ran)."""
+    found, real = [], NgramDrafter.lookup
+
+    def lookup(self, k):
+        out = real(self, k)
+        found.extend([1] if out else [])
+        return out
+
+    monkeypatch.setattr(NgramDrafter, "lookup", lookup)
+    return found
+
+
+@pytest.mark.parametrize("drafter", ["draft", "eagle3", "eagle3+lookup", "medusa", "ngram", None])
 def test_batched_greedy_equals_solo_under_load(target, drafter, monkeypatch):
     """More requests than slots, submitted from several threads, speculation forced on (table) or
     chosen by the cost model: every request's greedy output is its solo output (with the eagle3
     drafter, each row attends in its own column range too)."""
     if drafter == "eagle3":
         monkeypatch.setattr(slots_module, "GROUP_OVERHEAD_COLUMNS", 0)
-    if drafter == "draft":
-        d = DraftModelDrafter(perturbed_copy(target, 0.02), depth=4)
-    else:
-        d = load_drafter(drafter, target) if drafter else None
+    found = _count_lookups(monkeypatch)
+    d = _serving_drafter(target, drafter)
     ps = prompts(10)
     want = solo(target, ps)
     for table in ("1-:3", None):
@@ -191,14 +212,16 @@ def test_batched_greedy_equals_solo_under_load(target, drafter, monkeypatch):
         assert all(g[2].finish_reason == "length" for g in got)
         if drafter == "draft" and table:
             assert sum(g[2].stats["accepted"] for g in got) > 0  # speculation really ran
+        if drafter == "eagle3+lookup" and table:
+            assert eng.slot_drafts is not None and found  # both sources drafted
 
 
-@pytest.mark.parametrize("drafter", ["eagle3", "ngram", None])
+@pytest.mark.parametrize("drafter", ["eagle3", "eagle3+lookup", "ngram", None])
 def test_chunked_prefill_under_load_equals_solo(target, drafter, capsys):
     """Prompts prefilled a few tokens per step beside the decoding rows (max_step_tokens=6): every
     request's greedy output is still its solo output, and a request cancelled while its prompt is
     being prefilled ends "cancelled" without disturbing the others."""
-    d = load_drafter(drafter, target) if drafter else None
+    d = _serving_drafter(target, drafter)
     ps = prompts(8)
     want = solo(target, ps)
     with ServingEngine(target, d, max_batch=3, max_queue=16, speculation_table="1-:2", max_step_tokens=6) as eng:

@@ -19,6 +19,12 @@ Protocol (one sequence per batch row; the generator serves ``B == 1``):
    (so features are always known for every committed token but the last), or None.
 
 Invariant: after ``begin``/``commit`` the drafter has seen features for ``tokens[:, :-1]``.
+
+Optional: ``pre_draft(tokens, max_depth) -> Draft | None``, asked before the adaptive controller
+each step; a Draft it returns is verified whatever shape the controller would have chosen, and the
+controller neither chooses nor learns from that step (for cheap, deterministic drafts that need no
+model forward: :class:`~.lookup.LookupFirstDrafter`'s prompt lookup). It may read only committed
+tokens. ``commit`` follows as for any step.
 """
 
 from __future__ import annotations

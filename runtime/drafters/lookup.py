@@ -7,6 +7,11 @@ nothing. Per step this drafter proposes the lookup continuation when the context
 least ``min_match`` tokens occurred earlier (a long match predicts a copy well, and drafting it
 costs no model forward), else whatever the wrapped drafter proposes.
 
+The generator asks :meth:`LookupFirstDrafter.pre_draft` before its adaptive controller (an
+optional drafter hook): a lookup draft is taken whatever shape the controller would have chosen
+(even plain decoding), and the controller neither chooses nor learns from those steps, so its
+acceptance and cost estimates describe the wrapped drafter alone.
+
 The choice reads only committed tokens, never a value still to be drawn, so it cannot change
 what the verifier emits: greedy output and the sampling distribution are the target's (a lookup
 draft is deterministic, ``Draft.q is None``, which the sampling verifier handles). Both drafters
@@ -33,7 +38,7 @@ class LookupFirstDrafter(Drafter):
 
     ``lookup_depth`` caps the lookup chain (default 5, the ``ngram`` drafter's; a copy is cheap to
     draft and usually long); ``inner``'s own depth and node budget still cap its proposals.
-    ``lookups``/``proposals`` count the steps each source drafted (for reports)."""
+    ``lookups``/``model_drafts`` count the steps each source drafted (for reports)."""
 
     def __init__(self, inner: Drafter, *, min_match: int = 2, max_ngram: int = 3, lookup_depth: int = 5):
         if not isinstance(inner, Drafter):
@@ -47,8 +52,9 @@ class LookupFirstDrafter(Drafter):
         self.feature_layers = tuple(inner.feature_layers)
         self.default_depth = max(inner.default_depth, lookup_depth)
         self.default_nodes = max(inner.default_nodes, lookup_depth + 1)
-        self.lookups = 0
-        self.proposals = 0
+        self.lookups = 0  # steps drafted by lookup
+        self.model_drafts = 0  # steps drafted by ``inner``
+        self._missed_at = -1  # context length at which the last lookup found nothing
 
     def fork(self) -> "LookupFirstDrafter":
         twin = copy.copy(self)
@@ -56,17 +62,31 @@ class LookupFirstDrafter(Drafter):
         return twin
 
     def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
+        self._missed_at = -1
         self.lookup.begin(prompt_ids)
         self.inner.begin(prompt_ids, features)
 
+    def pre_draft(self, tokens: torch.Tensor, max_depth: int) -> Draft | None:
+        """The lookup chain (at most ``max_depth`` and ``lookup_depth`` tokens) rooted at
+        ``tokens[:, -1]``, or None when the context's suffix has no earlier ``min_match``-token
+        occurrence."""
+        k = min(max_depth, self.lookup.default_depth)
+        if k < 1:
+            return None
+        found = self.lookup.lookup(k)
+        if not found:
+            self._missed_at = tokens.shape[1]
+            return None
+        self.lookups += 1
+        root = tokens[:, -1]
+        return Draft.chain(root, torch.tensor([found], dtype=torch.long, device=root.device))
+
     def propose(self, ctx: DraftContext) -> Draft:
-        self.proposals += 1
-        k = min(ctx.max_depth, ctx.max_nodes - 1, self.lookup.default_depth)
-        found = self.lookup.lookup(k) if k > 0 else []
-        if found:
-            self.lookups += 1
-            root = ctx.tokens[:, -1]
-            return Draft.chain(root, torch.tensor([found], dtype=torch.long, device=root.device))
+        if self._missed_at != ctx.tokens.shape[1]:  # not already looked up at this length (pre_draft)
+            draft = self.pre_draft(ctx.tokens, min(ctx.max_depth, ctx.max_nodes - 1))
+            if draft is not None:
+                return draft
+        self.model_drafts += 1
         return self.inner.propose(ctx)
 
     def commit(self, new_tokens: torch.Tensor, features: torch.Tensor | None) -> None:

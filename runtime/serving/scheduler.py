@@ -36,6 +36,7 @@ from collections import deque
 import torch
 
 from ..drafters.base import DraftContext, Drafter
+from ..drafters.lookup import LookupFirstDrafter
 from ..engine import EngineTarget
 from ..generator import IncrementalDetokenizer
 from ..sampling import SamplingParams
@@ -71,6 +72,7 @@ class _Seq:
         else:
             self.gen.seed()
         self.drafter = drafter
+        self.lookup = None  # prompt-lookup state of a batched row whose drafter looks up first
         self.monitor = monitor
         self.detok = IncrementalDetokenizer(decode)
         self.stats = RequestStats()
@@ -130,9 +132,15 @@ class ServingEngine:
         # a row holds a whole request plus one step's draft nodes
         self.slots = SlotCache(self.engine, max_batch, self.max_context + self.max_depth + 2)
         # EAGLE heads draft for every row at once (one head forward per depth, :mod:`.drafts`)
+        # (behind prompt lookup too: a row drafts its lookup chain when it has one, else with the head)
         self.slot_drafts = None
-        if self.max_depth and hasattr(getattr(drafter, "head", None), "step_rows") and getattr(drafter, "_static", False):
-            self.slot_drafts = SlotDrafts(drafter.head, max_batch, self.max_context + self.max_depth + 2)
+        self._lookup = drafter.lookup if isinstance(drafter, LookupFirstDrafter) else None
+        head_drafter = drafter.inner if self._lookup is not None else drafter
+        if self.max_depth and hasattr(getattr(head_drafter, "head", None), "step_rows") and \
+                getattr(head_drafter, "_static", False):
+            self.slot_drafts = SlotDrafts(head_drafter.head, max_batch, self.max_context + self.max_depth + 2)
+        # the head drafts at most its own depth (the lookup chain may go deeper)
+        self._head_depth = min(head_drafter.default_depth, self.max_depth) if head_drafter is not None else 0
         self._waiting: deque[RequestHandle] = deque()
         self._seqs: list[_Seq] = []
         self._filling: deque[_Fill] = deque()  # admitted, prompt being prefilled (no slot row yet)
@@ -258,6 +266,8 @@ class ServingEngine:
         if self.drafter is not None and r.speculate and self.max_depth:
             drafter = _BATCHED if self.slot_drafts is not None else self.drafter.fork()
         seq = _Seq(handle, drafter, self.policy.monitor(drafter is not None), self.engine.device, self.target.decode)
+        if drafter is _BATCHED and self._lookup is not None:
+            seq.lookup = self._lookup.fork()
         seq.stats.queued_seconds = seq.started - handle.submitted
         # the whole prompt is prefilled in chunks by the next steps; the last chunk's logits give
         # the first token
@@ -287,6 +297,9 @@ class ServingEngine:
                 if seq.drafter is _BATCHED:
                     self.slot_drafts.begin(row, seq.ids, feats[:, :-1])
                     self.slot_drafts.commit(row, new, feats[:, -1:])
+                    if seq.lookup is not None:
+                        seq.lookup.begin(seq.ids)
+                        seq.lookup.commit(new)
                 else:
                     seq.drafter.begin(seq.ids, feats[:, :-1] if self.feature_layers else None)
                     seq.drafter.commit(new, feats[:, -1:] if self.feature_layers else None)
@@ -309,7 +322,7 @@ class ServingEngine:
         """A drafter that raised: this request goes on with plain decoding (still lossless)."""
         print(f"[specfoundry] request {seq.handle.id}: drafter failed ({type(error).__name__}: {error}); "
               "continuing without speculation", file=sys.stderr)
-        seq.drafter = None
+        seq.drafter = seq.lookup = None
 
     def _finish(self, row: int, reason: str) -> None:
         seq = self._seqs[row]
@@ -336,8 +349,11 @@ class ServingEngine:
         drafts, failed = [None] * len(seqs), {}
         batched: dict[int, list[int]] = {}  # depth -> rows drafted together by the slot drafts
         for b, (s, k) in enumerate(zip(seqs, depths)):
-            if k > 0 and s.drafter is _BATCHED:
-                batched.setdefault(k, []).append(b)
+            found = s.lookup.lookup(min(k, s.lookup.default_depth)) if k > 0 and s.lookup is not None else None
+            if found:  # what followed the context's suffix before (needs no head forward)
+                drafts[b] = Draft.chain(s.ids[:, -1], torch.tensor([found], dtype=torch.long, device=dev))
+            elif k > 0 and s.drafter is _BATCHED:
+                batched.setdefault(min(k, self._head_depth), []).append(b)
             elif k > 0:
                 try:
                     drafts[b] = s.drafter.propose(DraftContext(s.ids, s.sampling, k, k + 1, s.gen))
@@ -395,6 +411,8 @@ class ServingEngine:
                     feats = out.features[b: b + 1, keeps[b]] if out.features is not None else None
                     if s.drafter is _BATCHED:
                         self.slot_drafts.commit(b, news[b], feats)
+                        if s.lookup is not None:
+                            s.lookup.commit(news[b])
                     else:
                         s.drafter.commit(news[b], feats)
                 except Exception as e:  # noqa: BLE001
