@@ -96,6 +96,9 @@ def _cases(target):
         head = Eagle3Head.from_target(target, draft_token_ids=[4, 1, 3])
         cases.append(("eagle3 reduced vocab T=1", Eagle3Drafter(head, top_k=2, depth=2),
                       dict(max_depth=2, max_nodes=6), SamplingParams(1.0)))
+        # the chain fast path (one draw per depth, no tree search) over the reduced vocabulary
+        cases.append(("eagle3 chain reduced vocab T=0.8 top-p 0.9", Eagle3Drafter(head, tree="chain", depth=2),
+                      dict(max_depth=2, max_nodes=3), SamplingParams(0.8, top_p=0.9)))
     if "medusa" in available_drafters():
         cases.append(("medusa static tree T=0.8 top-p 0.95", load_drafter("medusa", target=target),
                       dict(max_depth=2, max_nodes=6), SamplingParams(0.8, top_p=0.95)))
@@ -111,7 +114,8 @@ def _cases(target):
 
 
 CASE_NAMES = ["draft-chain T=1", "draft-chain T=0.7 top-p 0.9", "ngram deterministic T=1.3 top-k 4", "plain T=0.9 top-p 0.9",
-              "eagle3 dynamic tree T=1", "eagle3 chain, lookup first T=1", "eagle3 reduced vocab T=1", "medusa static tree T=0.8 top-p 0.95",
+              "eagle3 dynamic tree T=1", "eagle3 chain, lookup first T=1", "eagle3 reduced vocab T=1",
+              "eagle3 chain reduced vocab T=0.8 top-p 0.9", "medusa static tree T=0.8 top-p 0.95",
               "medusa reduced vocab T=1"]
 
 

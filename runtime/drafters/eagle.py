@@ -10,7 +10,8 @@ run at the next ``propose`` (so nothing is computed for a sequence that ends). T
 then appends draft entries (positions by depth, an ancestor mask) and crops the cache back to
 the committed length before returning.
 
-Greedy chains (a node budget equal to the depth): the argmax at every depth, no tree search.
+Chains (a node budget equal to the depth): the argmax (greedy) or one draw from ``q`` (sampling)
+at every depth, no tree search.
 Greedy mode (EAGLE-2): the root gets ``top_k`` children; at each further depth the ``top_k``
 newest nodes with the best cumulative log-probability are expanded (one head forward for all of
 them), each with ``top_k`` children; finally the best ``max_nodes - 1`` nodes by cumulative
@@ -105,8 +106,8 @@ class EagleDrafter(Drafter):
             return Draft.root_only(root)
         base = self.cache.length
         try:
-            if ctx.sampling.greedy and budget == depth and self._static:
-                return self._grow_chain(root, depth)
+            if budget == depth and self._static:
+                return self._grow_chain(root, depth, ctx)
             if ctx.sampling.greedy:
                 return self._grow_greedy(root, depth, budget)
             return self._grow_sampling(root, depth, budget, ctx)
@@ -163,23 +164,37 @@ class EagleDrafter(Drafter):
         self.cache.commit()  # kept until the crop in propose
         return out[0], rows
 
-    def _grow_chain(self, root: torch.Tensor, depth: int) -> Draft:
-        """Greedy chain (a node budget of ``depth``): the argmax at each depth, one masked-free
-        one-token head step per further depth (each draft sees every earlier one: causal). The
-        tree search's ranking and bookkeeping are not needed for a chain."""
+    def _grow_chain(self, root: torch.Tensor, depth: int, ctx: DraftContext) -> Draft:
+        """A chain (a node budget of ``depth``): per depth the argmax (greedy) or one token drawn
+        from the processed draft distribution ``q`` (sampling: ``Draft.q`` records it, mapped into
+        the target vocabulary), then one mask-free one-token head step (each draft sees every
+        earlier one: causal). The tree search's ranking and bookkeeping are not needed for a chain."""
         head = self.head
         d2t = head.draft_to_target
+        greedy = ctx.sampling.greedy
         h = self._root_hidden.view(1, 1, -1)
         base = self.cache.length
-        drafts = []
+        drafts, qs = [], []
         for d in range(depth):
-            tok = head.compute_logits(h[:, -1]).argmax(-1)  # [1] draft-vocabulary id
+            logits = head.compute_logits(h[:, -1])  # [1, Vd]
+            if greedy:
+                tok = logits.argmax(-1)  # [1] draft-vocabulary id
+            else:
+                q = probs_from_logits(logits, ctx.sampling)
+                tok = torch.multinomial(q, 1, generator=ctx.generator).view(1)
+                qs.append(q)
             tok = tok if d2t is None else d2t[tok]
             drafts.append(tok)
             if d + 1 < depth:
                 h = head.step(tok.view(1, 1), h, self.cache, position_ids=torch.full((1, 1), base + d, device=tok.device))
                 self.cache.commit()  # kept until the crop in propose
-        return Draft.chain(root.view(1).to(h.device), torch.cat(drafts).view(1, depth))
+        q_all = None
+        if qs:
+            q_all = torch.cat(qs)  # [depth, Vd]
+            if d2t is not None:  # into the target vocabulary, where verification compares it with p
+                q_all = q_all.new_zeros(depth, head.architecture["vocab_size"]).index_copy_(1, d2t, q_all)
+            q_all = q_all.unsqueeze(0)
+        return Draft.chain(root.view(1).to(h.device), torch.cat(drafts).view(1, depth), q_all)
 
     def _grow_greedy(self, root: torch.Tensor, depth: int, budget: int) -> Draft:
         head, k = self.head, self.top_k
