@@ -53,7 +53,7 @@ def register(subparsers) -> None:
     p.add_argument("--level-seconds", type=float, default=120.0, help="time bound per mode and level")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--depth", type=int, default=3, help="draft depth of the always-on mode")
-    p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+    p.add_argument("--prompt-lookup", type=int, default=2, metavar="N",
                    help="the servers' --prompt-lookup (prompt lookup first on an N-token match; 0: off)")
     p.add_argument("--data", default=None, help="prompt JSONL (default: Spec-Bench when ../shared has it)")
     p.add_argument("--modes", default="off,on,load-aware")
@@ -282,8 +282,8 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     max_c = args.max_batch or max(levels_c)
     common = ["--target", args.target, "--speculator", speculator, "--dtype", args.dtype, "--threads",
-              str(args.threads), "--max-batch", str(max_c), "--max-queue", str(max_c)] + \
-        (["--prompt-lookup", str(args.prompt_lookup)] if args.prompt_lookup else [])
+              str(args.threads), "--max-batch", str(max_c), "--max-queue", str(max_c), "--prompt-lookup",
+              str(args.prompt_lookup)]
     print(f"bench-serve: {args.target} ({args.dtype}, {args.threads} threads) + {speculator}; levels {levels_c}; "
           f"modes {modes + peer_modes}; {len(prompts)} prompts from {data or 'the built-in set'}", flush=True)
     peers = vllm_server.availability(peer_modes, args.dtype, speculator)

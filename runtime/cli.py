@@ -33,9 +33,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--depth", type=int, default=None, help="max draft depth (default: the drafter's)")
     p.add_argument("--nodes", type=int, default=None, help="max draft-tree nodes incl. the root")
     p.add_argument("--no-adaptive", action="store_true", help="always draft at --depth")
-    p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+    p.add_argument("--prompt-lookup", type=int, default=2, metavar="N",
                    help="draft the prompt-lookup continuation whenever the last N tokens occurred earlier in "
-                        "prompt + output, else the drafter's draft (0: off)")
+                        "prompt + output, else the drafter's draft (default 2, measured faster with every trained head; 0: off)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
                    help="auto (default): the dtype whose plain decoding is fastest here, measured at load")
@@ -96,7 +96,7 @@ def _generate(args) -> int:
     check_generate_args(args)
     target = load_target(args.target, device=args.device, dtype=DTYPES[args.dtype], backend=args.backend)
     drafter = load_drafter(args.drafter, target=target)
-    if args.prompt_lookup:
+    if args.prompt_lookup and drafter.type != "ngram":  # (ngram is prompt lookup already)
         drafter = LookupFirstDrafter(drafter, min_match=args.prompt_lookup)
     gen = SpeculativeGenerator(target, drafter, max_depth=args.depth, max_nodes=args.nodes, adaptive=not args.no_adaptive)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
