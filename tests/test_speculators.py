@@ -414,7 +414,7 @@ def test_greedy_chain_fast_path_equals_the_tree_search(kind, target):
     search with top_k=1 drafts, at every step of a generation (commits in between)."""
     fast = load_drafter(kind, target, tree="chain", depth=4)
     slow = load_drafter(kind, target, tree="chain", depth=4)
-    slow._grow_chain = lambda root, depth: slow._grow_greedy(root, depth, depth)  # the search
+    slow._grow_chain = lambda root, depth, ctx: slow._grow_greedy(root, depth, depth)  # the search
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, V, (1, 7), generator=g)
     out = target.forward(ids[:, :-1], target.new_cache(), feature_layers=fast.feature_layers)
