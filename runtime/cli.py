@@ -35,7 +35,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--no-adaptive", action="store_true", help="always draft at --depth")
     p.add_argument("--prompt-lookup", type=int, default=2, metavar="N",
                    help="draft the prompt-lookup continuation whenever the last N tokens occurred earlier in "
-                        "prompt + output, else the drafter's draft (default 2, measured faster with every trained head; 0: off)")
+                        "prompt + output, else the drafter's draft (default 2, measured faster with every "
+                        "trained head; 0: off)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
                    help="auto (default): the dtype whose plain decoding is fastest here, measured at load")
@@ -89,15 +90,15 @@ def check_generate_args(args) -> None:
 
 def _generate(args) -> int:
     from .generator import SpeculativeGenerator
-    from .drafters import LookupFirstDrafter, load_drafter
+    from .drafters import load_drafter
+    from .drafters.lookup import with_lookup
     from .lossless import compare_greedy
     from .models import load_target
 
     check_generate_args(args)
     target = load_target(args.target, device=args.device, dtype=DTYPES[args.dtype], backend=args.backend)
     drafter = load_drafter(args.drafter, target=target)
-    if args.prompt_lookup and drafter.type != "ngram":  # (ngram is prompt lookup already)
-        drafter = LookupFirstDrafter(drafter, min_match=args.prompt_lookup)
+    drafter = with_lookup(drafter, args.prompt_lookup)
     gen = SpeculativeGenerator(target, drafter, max_depth=args.depth, max_nodes=args.nodes, adaptive=not args.no_adaptive)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)

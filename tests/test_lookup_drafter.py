@@ -95,3 +95,17 @@ def test_generator_takes_lookup_drafts_before_the_controller_and_keeps_them_out_
     assert d.lookups > 0 and d.model_drafts > 0
     # every forward is either a lookup step or one the controller chose (and recorded)
     assert n_recorded == out.stats.target_forwards - d.lookups
+
+
+def test_with_lookup_wraps_model_drafters_only():
+    from tiny_models import tiny_llama
+    from specfoundry.runtime import load_drafter
+    from specfoundry.runtime.drafters.lookup import with_lookup
+
+    target = tiny_llama(0)
+    ngram, head = load_drafter("ngram", target=target), load_drafter("eagle3", target=target)
+    assert with_lookup(ngram, 2) is ngram and with_lookup(head, 0) is head and with_lookup(None, 2) is None
+    wrapped = with_lookup(head, 3)
+    assert isinstance(wrapped, LookupFirstDrafter) and wrapped.inner is head and wrapped.lookup.min_ngram == 3
+    with pytest.raises(ValueError, match="--prompt-lookup"):
+        with_lookup(head, -1)

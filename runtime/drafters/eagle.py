@@ -188,13 +188,16 @@ class EagleDrafter(Drafter):
             if d + 1 < depth:
                 h = head.step(tok.view(1, 1), h, self.cache, position_ids=torch.full((1, 1), base + d, device=tok.device))
                 self.cache.commit()  # kept until the crop in propose
-        q_all = None
-        if qs:
-            q_all = torch.cat(qs)  # [depth, Vd]
-            if d2t is not None:  # into the target vocabulary, where verification compares it with p
-                q_all = q_all.new_zeros(depth, head.architecture["vocab_size"]).index_copy_(1, d2t, q_all)
-            q_all = q_all.unsqueeze(0)
+        q_all = self._target_vocab(torch.cat(qs)).unsqueeze(0) if qs else None
         return Draft.chain(root.view(1).to(h.device), torch.cat(drafts).view(1, depth), q_all)
+
+    def _target_vocab(self, q: torch.Tensor) -> torch.Tensor:
+        """Draft distributions ``[m, Vd]`` over the draft vocabulary as ``[m, V]`` over the target's,
+        where verification compares them with the target's ``p``."""
+        d2t = self.head.draft_to_target
+        if d2t is None:
+            return q
+        return q.new_zeros(q.shape[0], self.head.architecture["vocab_size"]).index_copy_(1, d2t, q)
 
     def _grow_greedy(self, root: torch.Tensor, depth: int, budget: int) -> Draft:
         head, k = self.head, self.top_k
@@ -239,7 +242,6 @@ class EagleDrafter(Drafter):
         head, k = self.head, self.top_k
         d2t = head.draft_to_target
         dev = self._root_hidden.device
-        V = head.architecture["vocab_size"]
         base = self.cache.length
         gen = ctx.generator
         tokens, parents, qs, logP = [], [], [], []
@@ -301,9 +303,7 @@ class EagleDrafter(Drafter):
             front_idx, front_logP = child_idx[sel], child_logP[sel]
         tok = torch.cat(tokens)
         keep = torch.arange(tok.shape[0], device=dev)
-        q_all = torch.cat(qs)
-        if d2t is not None:  # into the target vocabulary, where verification compares it with p
-            q_all = q_all.new_zeros(q_all.shape[0], V).index_copy_(1, d2t, q_all)
+        q_all = self._target_vocab(torch.cat(qs))
         return _subtree(root, tok, torch.cat(parents), keep, q_all)
 
 

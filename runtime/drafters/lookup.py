@@ -30,7 +30,16 @@ from ..tree import Draft
 from .base import DraftContext, Drafter
 from .ngram import NgramDrafter
 
-__all__ = ["LookupFirstDrafter"]
+__all__ = ["LookupFirstDrafter", "with_lookup"]
+
+
+def with_lookup(drafter: Drafter | None, min_match: int) -> Drafter | None:
+    """``drafter`` behind prompt lookup on ``min_match``-token matches (the CLIs' ``--prompt-lookup``);
+    unchanged for ``min_match`` 0, no drafter, or the ``ngram`` drafter (prompt lookup already)."""
+    min_match = check_int("--prompt-lookup", min_match, 0, 64)
+    if drafter is None or min_match == 0 or drafter.type == "ngram":
+        return drafter
+    return LookupFirstDrafter(drafter, min_match=min_match)
 
 
 class LookupFirstDrafter(Drafter):
@@ -73,13 +82,12 @@ class LookupFirstDrafter(Drafter):
         k = min(max_depth, self.lookup.default_depth)
         if k < 1:
             return None
-        found = self.lookup.lookup(k)
-        if not found:
+        draft = self.lookup.chain(tokens[:, -1], k)
+        if draft.num_nodes == 1:
             self._missed_at = tokens.shape[1]
             return None
         self.lookups += 1
-        root = tokens[:, -1]
-        return Draft.chain(root, torch.tensor([found], dtype=torch.long, device=root.device))
+        return draft
 
     def propose(self, ctx: DraftContext) -> Draft:
         if self._missed_at != ctx.tokens.shape[1]:  # not already looked up at this length (pre_draft)

@@ -53,12 +53,15 @@ class NgramDrafter(Drafter):
                 return self._tokens[j : j + k]
         return []
 
-    def propose(self, ctx: DraftContext) -> Draft:
-        k = min(ctx.max_depth, ctx.max_nodes - 1)
+    def chain(self, root: torch.Tensor, k: int) -> Draft:
+        """The lookup continuation (at most ``k`` tokens; none without a match) as a chain below
+        ``root`` ``[1]``."""
         found = self.lookup(k) if k > 0 else []
-        root = ctx.tokens[:, -1]
         drafts = torch.tensor([found], dtype=torch.long, device=root.device).view(1, len(found))
         return Draft.chain(root, drafts)
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        return self.chain(ctx.tokens[:, -1], min(ctx.max_depth, ctx.max_nodes - 1))
 
     def commit(self, new_tokens: torch.Tensor, features=None) -> None:
         self._append(new_tokens[0].tolist())

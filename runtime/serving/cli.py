@@ -50,8 +50,9 @@ def register(subparsers) -> None:
                    help="prompt + new tokens per request (default: the model's context, at most 4096)")
     p.add_argument("--max-depth", type=int, default=None, help="max draft depth (default: the drafter's)")
     p.add_argument("--prompt-lookup", type=int, default=2, metavar="N",
-                   help="draft the prompt-lookup continuation whenever a request's last N tokens occurred earlier in "
-                        "its prompt + output, else the speculator's draft (default 2, measured faster with every trained head; 0: off)")
+                   help="draft the prompt-lookup continuation whenever a request's last N tokens occurred "
+                        "earlier in its prompt + output, else the speculator's draft (default 2, measured faster "
+                        "with every trained head; 0: off)")
     p.add_argument("--speculation-table", default=None,
                    help="batch-size ranges -> draft depth, overriding the cost model, e.g. '1-4:3,5-8:1,9-:0'")
     p.add_argument("--max-step-tokens", type=int, default=512,
@@ -66,8 +67,8 @@ def build_engine(args):
     import torch
 
     from ..cli import DTYPES
-    from ..adaptive import check_int
-    from ..drafters import LookupFirstDrafter, load_drafter
+    from ..drafters import load_drafter
+    from ..drafters.lookup import with_lookup
     from ..models import load_target
     from .metrics import PrometheusMetrics
     from .scheduler import ServingEngine
@@ -82,9 +83,7 @@ def build_engine(args):
     target = load_target(args.target, dtype=DTYPES[args.dtype], backend="engine")
     spec = args.speculator
     drafter = None if spec in (None, "", "none") else load_drafter(spec, target=target)
-    check_int("--prompt-lookup", args.prompt_lookup, 0, 64)
-    if drafter is not None and args.prompt_lookup and drafter.type != "ngram":  # (ngram is prompt lookup already)
-        drafter = LookupFirstDrafter(drafter, min_match=args.prompt_lookup)
+    drafter = with_lookup(drafter, args.prompt_lookup)
     metrics = PrometheusMetrics()
     engine = ServingEngine(target, drafter, max_batch=args.max_batch, max_queue=args.max_queue,
                            max_context=args.max_context, max_depth=args.max_depth,

@@ -349,9 +349,10 @@ class ServingEngine:
         drafts, failed = [None] * len(seqs), {}
         batched: dict[int, list[int]] = {}  # depth -> rows drafted together by the slot drafts
         for b, (s, k) in enumerate(zip(seqs, depths)):
-            found = s.lookup.lookup(min(k, s.lookup.default_depth)) if k > 0 and s.lookup is not None else None
-            if found:  # what followed the context's suffix before (needs no head forward)
-                drafts[b] = Draft.chain(s.ids[:, -1], torch.tensor([found], dtype=torch.long, device=dev))
+            found = s.lookup.chain(s.ids[:, -1], min(k, s.lookup.default_depth)) if k > 0 and s.lookup is not None \
+                else None
+            if found is not None and found.num_nodes > 1:  # what followed the suffix before: no head forward
+                drafts[b] = found
             elif k > 0 and s.drafter is _BATCHED:
                 batched.setdefault(min(k, self._head_depth), []).append(b)
             elif k > 0:
