@@ -6,12 +6,13 @@ to be produced by the *same* processing (temperature, top-k, top-p); both go thr
 :func:`probs_from_logits`, and :func:`sample` draws from it. Temperature 0 means greedy
 (argmax) decoding.
 
-:func:`sample_batch` draws one token per row straight from logits with the same rule, without
-the full-vocabulary sort and ``torch.multinomial`` that :func:`probs_from_logits` /
-:func:`sample` pay per step: training-data generation (``specfoundry.train.generation``) samples
-a batch of ~48 rows over the full vocabulary at every step, where those two cost more than the
-model step itself on a CPU (numbers at the function). ``tests/test_sampling.py`` checks that
-the two paths draw from the same distribution.
+:func:`sample_batch` draws one token per row straight from logits with the same rule, for
+training-data generation (``specfoundry.train.generation``: ~48 rows over the full vocabulary at
+every step), without building the processed distribution that verification needs. Both draw by
+inverse CDF and find nuclei without a full-vocabulary sort where they can: ``torch.multinomial``
+and ``torch.sort`` over a 49k vocabulary cost more per step than a model step of the default
+target on a CPU (numbers at the functions). ``tests/test_sampling.py`` checks that the paths
+draw from the same distribution.
 """
 
 from __future__ import annotations
@@ -77,29 +78,69 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p is not None and params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        cum = sorted_p.cumsum(-1)
-        # keep the smallest prefix whose mass reaches top_p (the token crossing it is kept)
-        drop_sorted = (cum - sorted_p) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = _nucleus(probs, params.top_p)
     return probs
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row of ``probs`` ``[..., V]`` -> ``[...]`` (long)."""
+def _nucleus_parts(probs: torch.Tensor, top_p: float):
+    """The nucleus of each row of ``probs`` ``[B, V]``: yields ``(rows, kept, index)`` groups where
+    ``kept[i]`` are row ``rows[i]``'s largest probabilities in descending order, zero past the
+    smallest prefix whose mass reaches ``top_p`` (the token crossing it is kept), at the
+    vocabulary positions ``index[i]``.
+
+    Without a full-vocabulary sort where it can: a sort of one 49k-token row costs ~5 ms on one
+    CPU thread (a 4-node verification paid ~22 ms for it; batch 48: ~150 ms), ``topk(64)`` well
+    under 0.1 ms per row. When a row's top-k candidates hold >= ``top_p`` of the mass its nucleus
+    lies inside them (every later token has at least that much mass before it); rows where they
+    do not move on to a larger k, and finally to the full sort. The same tokens as the sort-based
+    rule (ties at the boundary aside, whose order neither ``sort`` nor ``topk`` defines)."""
+    V = probs.shape[-1]
+    rows = torch.arange(probs.shape[0], device=probs.device)
+    for k in (64, 1024, V):
+        k = min(k, V)
+        sub = probs[rows]
+        sp, si = sub.topk(k, dim=-1) if k < V else sub.sort(dim=-1, descending=True)
+        cum = sp.cumsum(-1)
+        ok = cum[:, -1] >= top_p if k < V else torch.ones(len(rows), dtype=torch.bool, device=probs.device)
+        if bool(ok.any()):
+            # drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
+            yield rows[ok], sp[ok].masked_fill((cum[ok] - sp[ok]) >= top_p, 0.0), si[ok]
+        rows = rows[~ok]
+        if rows.numel() == 0:
+            break
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` ``[..., V]`` restricted to its nucleus (:func:`_nucleus_parts`), renormalised."""
     flat = probs.reshape(-1, probs.shape[-1])
-    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
-    return out.reshape(probs.shape[:-1])
+    kept = torch.zeros_like(flat)
+    for rows, keep, index in _nucleus_parts(flat, top_p):
+        kept[rows] = keep.new_zeros(len(rows), flat.shape[-1]).scatter_(-1, index, keep)
+    return (kept / kept.sum(-1, keepdim=True)).reshape(probs.shape)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row of ``probs`` ``[..., V]`` -> ``[...]`` (long).
+
+    By inverse CDF over a float64 running sum (one uniform per row): exact to float64 rounding,
+    and ~0.1 ms for a 49k-token row on one CPU thread where ``torch.multinomial`` took 1.1-1.4 ms
+    -- paid by every sampled step, plain or speculative, and by every sampled draft token."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    if flat.shape[0] == 0:
+        return torch.zeros(probs.shape[:-1], dtype=torch.long, device=probs.device)
+    flat = flat.double()
+    total = flat.sum(-1)
+    if not bool(((total > 0) & torch.isfinite(total)).all()):
+        raise ValueError("sample: every row of probs needs a positive, finite total mass")
+    return _inverse_cdf(flat, generator).reshape(probs.shape[:-1])
 
 
 def sample_batch(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """Next tokens ``[B]`` from ``logits`` ``[B, V]`` (float32), drawn from the distribution of
     :func:`probs_from_logits` with ``params`` (greedy params: the argmax).
 
-    For batched generation over a full vocabulary: no full sort and no ``torch.multinomial``
-    per step unless a row needs it (see below). ``logits`` is not modified.
+    For batched generation over a full vocabulary (no full sort unless a row's nucleus needs
+    it). ``logits`` is not modified.
     """
     if params.greedy:
         return logits.argmax(-1)
@@ -111,26 +152,10 @@ def sample_batch(logits: torch.Tensor, params: SamplingParams, generator: torch.
     probs = torch.softmax(logits, dim=-1)
     if top_p is None or top_p >= 1.0:
         return _inverse_cdf(probs, generator)
-    # Nucleus sampling without a full-vocabulary sort (measured at batch 48 x 49k vocab, one CPU
-    # thread: sort ~150 ms, top-64 ~3 ms, top-1024 ~18 ms, vs ~100 ms for a model step). Exact:
-    # when a row's top-k candidates hold >= top_p of the mass its nucleus lies inside them; rows
-    # where they do not move on to a larger k, and finally to the full sort.
-    B, V = probs.shape
-    out = torch.empty(B, dtype=torch.long, device=probs.device)
-    rows = torch.arange(B, device=probs.device)
-    for k in (64, 1024, V):
-        k = min(k, V)
-        sub = probs[rows]
-        sp, si = sub.topk(k, dim=-1) if k < V else sub.sort(dim=-1, descending=True)
-        ok = sp.sum(-1) >= top_p if k < V else torch.ones(len(rows), dtype=torch.bool, device=probs.device)
-        if bool(ok.any()):
-            keep = sp[ok]
-            # drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
-            keep = keep.masked_fill((keep.cumsum(-1) - keep) >= top_p, 0.0)
-            out[rows[ok]] = si[ok].gather(-1, _inverse_cdf(keep, generator)[:, None]).squeeze(-1)
-        rows = rows[~ok]
-        if rows.numel() == 0:
-            break
+    # nucleus sampling from each row's top candidates, without a full-vocabulary sort
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    for rows, keep, index in _nucleus_parts(probs, top_p):
+        out[rows] = index.gather(-1, _inverse_cdf(keep, generator)[:, None]).squeeze(-1)
     return out
 
 

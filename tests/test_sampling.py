@@ -1,11 +1,12 @@
-"""The runtime's batched sampler (:func:`specfoundry.runtime.sampling.sample_batch`, what
-training-data generation draws with): it stays in the nucleus and draws from exactly the
-distribution of :func:`~specfoundry.runtime.sampling.probs_from_logits`."""
+"""The runtime's samplers: :func:`~specfoundry.runtime.sampling.sample_batch` (what training-data
+generation draws with) stays in the nucleus and draws from exactly the distribution of
+:func:`~specfoundry.runtime.sampling.probs_from_logits`, whose top-p shortcut keeps the sort-based
+rule; :func:`~specfoundry.runtime.sampling.sample` draws each row by its distribution."""
 
 import pytest
 import torch
 
-from specfoundry.runtime.sampling import SamplingParams, probs_from_logits, sample_batch
+from specfoundry.runtime.sampling import SamplingParams, probs_from_logits, sample, sample_batch
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -49,3 +50,41 @@ def test_data_sampler_draws_from_the_runtime_sampling_distribution():
         freq = torch.bincount(draws, minlength=7).double() / draws.numel()
         assert torch.allclose(freq, want, atol=0.015), (temperature, top_k, top_p)
         assert not bool(freq[want == 0].any())
+
+
+def _sorted_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The reference rule: a full sort, the smallest prefix reaching top_p, renormalised."""
+    sp, si = probs.sort(-1, descending=True)
+    drop = torch.zeros_like(sp, dtype=torch.bool).scatter(-1, si, (sp.cumsum(-1) - sp) >= top_p)
+    kept = probs.masked_fill(drop, 0.0)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def test_top_p_without_a_full_sort_keeps_the_sorted_rule():
+    # rows whose nucleus lies in the top 64, in the top 1024 and past it (the full-sort fallback),
+    # batched and with leading dims: the same tokens and values as the sort-based rule
+    g = torch.Generator().manual_seed(3)
+    V = 5000
+    logits = torch.stack([torch.randn(V, generator=g) * s for s in (8.0, 3.0, 1.0, 0.0)]).view(2, 2, V)
+    for top_p in (0.3, 0.9, 0.99):
+        params = SamplingParams(1.0, None, top_p)
+        got = probs_from_logits(logits, params)
+        want = _sorted_nucleus(torch.softmax(logits, -1), top_p)
+        assert torch.equal(got > 0, want > 0), top_p
+        assert torch.allclose(got, want, atol=1e-7), top_p
+    sizes = (probs_from_logits(logits, SamplingParams(1.0, None, 0.9)) > 0).sum(-1).flatten().tolist()
+    assert sizes[0] <= 64 < sizes[1] <= 1024 < sizes[2], sizes  # every path of the shortcut ran
+
+
+def test_sample_draws_each_row_by_its_distribution():
+    g = torch.Generator().manual_seed(4)
+    p = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]])
+    draws = torch.stack([sample(p, g) for _ in range(20000)])  # [n, 2]
+    freq = torch.bincount(draws[:, 0], minlength=5).double() / draws.shape[0]
+    assert torch.allclose(freq, p[0].double(), atol=0.015)
+    assert not bool(freq[p[0] == 0].any())
+    assert bool((draws[:, 1] == 4).all())
+    assert sample(p[0], g).shape == () and sample(p.view(1, 2, 5), g).shape == (1, 2)
+    for bad in (torch.zeros(1, 5), torch.tensor([[0.5, float("nan"), 0.5]])):
+        with pytest.raises(ValueError, match="positive, finite"):
+            sample(bad, g)

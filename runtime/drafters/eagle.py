@@ -37,7 +37,7 @@ import math
 import torch
 
 from ..adaptive import MAX_DRAFT_DEPTH, MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, check_int
-from ..sampling import probs_from_logits
+from ..sampling import probs_from_logits, sample
 from ..speculators import Eagle3Head, EagleHead, load_speculator, read_config
 from ..target import KVCache
 from ..tree import Draft
@@ -181,7 +181,7 @@ class EagleDrafter(Drafter):
                 tok = logits.argmax(-1)  # [1] draft-vocabulary id
             else:
                 q = probs_from_logits(logits, ctx.sampling)
-                tok = torch.multinomial(q, 1, generator=ctx.generator).view(1)
+                tok = sample(q, ctx.generator).view(1)
                 qs.append(q)
             tok = tok if d2t is None else d2t[tok]
             drafts.append(tok)
@@ -275,7 +275,7 @@ class EagleDrafter(Drafter):
             for j in range(int(counts.max()) if m else 0):
                 act = (counts > j).nonzero().view(-1)
                 cur_a = cur[act] / cur[act].sum(-1, keepdim=True)
-                t = torch.multinomial(cur_a, 1, generator=gen).view(-1)
+                t = sample(cur_a, gen).view(-1)
                 drawn_tok[act, j] = t
                 drawn_q[act, j] = cur_a
                 cur[act, t] = 0

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..adaptive import MAX_DRAFT_NODES
-from ..sampling import probs_from_logits
+from ..sampling import probs_from_logits, sample
 from ..speculators import MedusaHeads, default_medusa_choices, load_speculator
 from ..tree import Draft, tree_depths, tree_from_choices
 from .base import DraftContext, Drafter, register_drafter
@@ -144,7 +144,7 @@ class MedusaDrafter(Drafter):
             if cur is None:
                 cur = q_depth[dep[i] - 1].clone()
             cur = cur / cur.sum()
-            t = int(torch.multinomial(cur, 1, generator=ctx.generator))
+            t = int(sample(cur, ctx.generator))
             tokens[i] = t
             q[i] = cur
             cur = cur.clone()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingParams, probs_from_logits
+from ..sampling import SamplingParams, probs_from_logits, sample
 from ..tree import Draft
 
 __all__ = ["SlotDrafts"]
@@ -152,7 +152,7 @@ class SlotDrafts:
                 for j, i in enumerate(live):
                     if not greedy[j]:
                         q = probs_from_logits(logits[j: j + 1], sampling[i])[0]  # draft vocabulary
-                        tok[j] = torch.multinomial(q, 1, generator=generators[i])[0]
+                        tok[j] = sample(q, generators[i])
                         q_d[j] = q
             target_tok = tok if d2t is None else d2t[tok]
             tokens.append(target_tok)
