@@ -64,6 +64,9 @@ def register(subparsers) -> None:
     from .check_vllm import register as register_check_vllm
 
     register_check_vllm(subparsers)  # `specfoundry check-vllm` (make check-vllm)
+    from .tune_shape import register as register_tune_shape
+
+    register_tune_shape(subparsers)  # `specfoundry tune-shape`
 
 
 def _git_commit() -> str:

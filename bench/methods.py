@@ -91,6 +91,7 @@ class RecordingDrafter(Drafter):
         self.feature_layers = inner.feature_layers
         self.default_depth = inner.default_depth
         self.default_nodes = inner.default_nodes
+        self.default_adaptive = inner.default_adaptive
         if hasattr(inner, "pre_draft"):  # the generator's optional hook, recorded like propose
             self.pre_draft = self._pre_draft
         self.reset()

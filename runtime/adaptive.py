@@ -44,6 +44,17 @@ MAX_DRAFT_NODES = 256
 MAX_DRAFT_TOP_K = 64
 
 
+def parse_shape_candidate(spec: str) -> tuple[str, int | None]:
+    """A runtime-shape candidate (runtime/tune.py): ``"adaptive"`` -> ``("adaptive", None)``;
+    ``"chain@K"`` -> ``("chain", K)``."""
+    if spec == "adaptive":
+        return "adaptive", None
+    kind, _, depth = spec.partition("@")
+    if kind != "chain" or not depth.isdigit():
+        raise ValueError(f"runtime shape candidate {spec!r}: expected 'adaptive' or 'chain@K'")
+    return "chain", check_int(f"{spec}: K", int(depth), 1, MAX_DRAFT_DEPTH)
+
+
 def check_int(name: str, value, lo: int, hi: int | None = None) -> int:
     """``value`` as an int in ``[lo, hi]``, or one ValueError naming ``name`` (bools, floats and
     strings are refused, not coerced)."""

@@ -32,7 +32,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--depth", type=int, default=None, help="max draft depth (default: the drafter's)")
     p.add_argument("--nodes", type=int, default=None, help="max draft-tree nodes incl. the root")
-    p.add_argument("--no-adaptive", action="store_true", help="always draft at --depth")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="the adaptive draft-shape controller (--no-adaptive: always draft at --depth); default: the "
+                        "drafter's (a trained head's measured runtime shape, else on)")
     p.add_argument("--prompt-lookup", type=int, default=2, metavar="N",
                    help="draft the prompt-lookup continuation whenever the last N tokens occurred earlier in "
                         "prompt + output, else the drafter's draft (default 2, measured faster with every "
@@ -99,7 +101,7 @@ def _generate(args) -> int:
     target = load_target(args.target, device=args.device, dtype=DTYPES[args.dtype], backend=args.backend)
     drafter = load_drafter(args.drafter, target=target)
     drafter = with_lookup(drafter, args.prompt_lookup)
-    gen = SpeculativeGenerator(target, drafter, max_depth=args.depth, max_nodes=args.nodes, adaptive=not args.no_adaptive)
+    gen = SpeculativeGenerator(target, drafter, max_depth=args.depth, max_nodes=args.nodes, adaptive=args.adaptive)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.json:

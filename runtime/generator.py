@@ -173,7 +173,8 @@ class SpeculativeGenerator:
     ``max_depth``/``max_nodes`` cap the draft (default: the drafter's own, at most
     ``MAX_DRAFT_DEPTH``/``MAX_DRAFT_NODES``); ``adaptive`` lets :class:`AdaptiveController`
     choose the depth per step from measured acceptance and costs (turn it off for reproducible
-    sampling runs with a fixed draft shape).
+    sampling runs with a fixed draft shape; None, the default: the drafter's ``default_adaptive``,
+    which a trained head's measured runtime shape sets, :mod:`~specfoundry.runtime.tune`).
 
     Thread safety: an instance may be shared between threads. Every ``generate``/``stream`` call
     holds a lock of the target for the whole request (generators sharing one target share it),
@@ -184,7 +185,7 @@ class SpeculativeGenerator:
     """
 
     def __init__(self, target: TargetModel, drafter: Drafter | None = None, *, max_depth: int | None = None,
-                 max_nodes: int | None = None, adaptive: bool = True):
+                 max_nodes: int | None = None, adaptive: bool | None = None):
         self.target = target
         self.drafter = drafter
         if drafter is not None and not all(callable(getattr(drafter, m, None)) for m in ("begin", "propose", "commit")):
@@ -196,8 +197,10 @@ class SpeculativeGenerator:
             check_int("max_depth", max_depth, 1, MAX_DRAFT_DEPTH)  # 0 or less: pass speculate=False instead
         if max_nodes is not None:
             check_int("max_nodes", max_nodes, 2, MAX_DRAFT_NODES)  # the root and at least one draft
+        if adaptive is None:  # the drafter's default (a trained head's measured runtime shape may be fixed)
+            adaptive = bool(getattr(drafter, "default_adaptive", True))
         if not isinstance(adaptive, bool):
-            raise ValueError(f"adaptive must be True or False, got {adaptive!r}")
+            raise ValueError(f"adaptive must be True, False or None (the drafter's default), got {adaptive!r}")
         self.max_depth = max_depth if max_depth is not None else \
             (min(int(drafter.default_depth), MAX_DRAFT_DEPTH) if drafter else 0)
         self.max_nodes = max_nodes if max_nodes is not None else \

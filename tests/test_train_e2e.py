@@ -52,6 +52,11 @@ def _check_run(run: Path, target_dir):
     summary = json.loads((run / "train_summary.json").read_text())
     assert summary["steps"] == 4 and summary["tokens_trained"] > 0
     assert "builtin-heldout" in summary["measured"] and summary["measured"]["builtin-heldout"]["T=0"]["identical_rate"] == 1.0
+    # the evaluation timed the runtime shapes on the held-out prompts and stored the fastest
+    shape = cfg["training"]["runtime_shape"]
+    assert summary["runtime_shape"] == shape and shape["prompts"] == 2
+    assert set(shape["speedups"]) == {"adaptive", "chain@2", "chain@3", "chain@4"}
+    assert max(shape["speedups"].values()) == shape["speedups"]["adaptive" if shape["adaptive"] else f"chain@{shape['depth']}"]
     target = load_target(str(target_dir))
     gen = SpeculativeGenerator(target, load_drafter(str(run / "speculator"), target=target), adaptive=False)
     spec = gen.generate(prompt="Hello there", max_new_tokens=12, stop_at_eos=False)

@@ -50,6 +50,17 @@ def _non_empty(v: str) -> str:
     return v
 
 
+def _shape_candidate(v: str) -> str:
+    from specfoundry.runtime.adaptive import parse_shape_candidate  # no torch: the schema stays light
+
+    try:
+        parse_shape_candidate(v)
+    except ValueError as exc:
+        raise PydanticCustomError("shape_candidate", str(exc)) from None
+    return v
+
+
+ShapeCandidate = Annotated[str, AfterValidator(_shape_candidate)]
 Precision = Annotated[Literal["fp32", "bf16", "fp16"], BeforeValidator(_precision_alias)]
 Str = Annotated[str, AfterValidator(_non_empty)]
 
@@ -359,6 +370,13 @@ class EvaluationConfig(_Section):
     baseline: bool = True
     # wall budget for evaluation (None: no cap)
     max_minutes: float | None = Field(None, gt=0)
+    # EAGLE heads: after tau, time these shapes against plain decoding on the held-out prompts
+    # (greedy, prompt lookup first) and store the fastest as the checkpoint's runtime default
+    # (training.runtime_shape; runtime/tune.py); "adaptive" is the shape above under the controller
+    runtime_shapes: list[ShapeCandidate] = Field(default_factory=lambda: ["adaptive", "chain@2", "chain@3", "chain@4"])
+    # held-out prompts for that (0: skip it) and its wall budget
+    runtime_prompts: int = Field(8, ge=0)
+    runtime_max_minutes: float | None = Field(1.5, gt=0)
 
 
 class Recipe(_Section):

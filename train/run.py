@@ -467,6 +467,18 @@ def _save_and_evaluate(recipe, target, module, state_dict, run_dir: Path, summar
                                              adaptive=ev.adaptive)
     result["evaluation"] = {"depth": ev.depth, "adaptive": ev.adaptive, **options,
                             **({"skipped": skipped} if skipped else {})}
+    if recipe.method in ("eagle3", "eagle") and ev.runtime_prompts and ev.runtime_shapes and heldout:
+        # the fastest measured shape becomes the checkpoint's runtime default (runtime/tune.py)
+        from specfoundry.runtime.speculators.checkpoint import set_runtime_shape
+        from specfoundry.runtime.tune import measure_runtime_shape
+
+        shape = measure_runtime_shape(target, spec_dir, heldout[: ev.runtime_prompts], ev.runtime_shapes,
+                                      max_new_tokens=ev.max_new_tokens, max_minutes=ev.runtime_max_minutes)
+        set_runtime_shape(spec_dir, shape)
+        result["runtime_shape"] = shape
+        acc.print("[eval] runtime shape: " + ", ".join(f"{c} {v:.2f}x" for c, v in shape["speedups"].items())
+                  + f" -> {'adaptive' if shape['adaptive'] else 'chain@%d' % shape['depth']} "
+                  f"(prompt lookup first, {shape['prompts']} held-out prompts)")
     from .stages import evaluation_stage, guard_line
 
     # planned = the prompts the recipe asked for per set (a set with fewer is marked, not hidden)
@@ -480,7 +492,7 @@ def _save_and_evaluate(recipe, target, module, state_dict, run_dir: Path, summar
              if v["tau"] is not None},
             step=summary["global_step"])
     print(json.dumps({k: result[k] for k in ("recipe", "tokens_trained", "wall_seconds", "predicted_tau", "measured",
-                                             "guard_report")},
+                                             "runtime_shape", "guard_report") if k in result},
                      indent=2, default=str))
 
 

@@ -59,6 +59,9 @@ class Drafter(ABC):
     #: the natural depth / node budget of this drafter (the generator may lower them).
     default_depth: int = 5
     default_nodes: int = 6
+    #: whether the generator's adaptive controller is on when its caller does not say (a trained
+    #: head's measured runtime shape may be a fixed one: runtime/tune.py)
+    default_adaptive: bool = True
 
     def fork(self) -> "Drafter":
         """A drafter for another sequence: shares this one's weights and options, gets its own

@@ -329,6 +329,7 @@ def _subtree(root: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, keep: tor
 
 def _make(drafter_cls, source, target, architecture: dict | None = None, seed: int | None = 0, **options):
     head_cls = drafter_cls.head_class
+    default_adaptive = True
     if source is None:
         head = head_cls.from_target(target, seed=seed, **(architecture or {}))
     else:
@@ -337,13 +338,20 @@ def _make(drafter_cls, source, target, architecture: dict | None = None, seed: i
         head = load_speculator(source, target)
         if not isinstance(head, head_cls):
             raise ValueError(f"{source}: holds a {head.type!r} speculator, not {drafter_cls.type!r}")
-        # the draft shape the training run measured its tau with is the default; options win
-        saved = (read_config(source).get("training") or {}).get("drafter_options") or {}
+        # the default shape: the fastest measured one (training.runtime_shape, runtime/tune.py) when
+        # the caller names no shape, else the one the training run measured its tau with, under
+        # the caller's options
+        training = read_config(source).get("training") or {}
+        runtime = training.get("runtime_shape") if not any(k in options for k in _TREE_OPTIONS) else None
+        saved = runtime or training.get("drafter_options") or {}
         options = {**{k: v for k, v in saved.items() if k in _TREE_OPTIONS}, **options}
+        default_adaptive = runtime["adaptive"] if runtime else True
     engine = getattr(target, "engine", None)
     if engine is not None and hasattr(head, "use_kernels"):
         head.use_kernels(engine.kernels)  # the target engine's measured kernels for this machine/dtype
-    return drafter_cls(head, **options)
+    drafter = drafter_cls(head, **options)
+    drafter.default_adaptive = default_adaptive
+    return drafter
 
 
 _TREE_OPTIONS = ("tree", "depth", "top_k", "total_tokens")

@@ -61,6 +61,7 @@ class LookupFirstDrafter(Drafter):
         self.feature_layers = tuple(inner.feature_layers)
         self.default_depth = max(inner.default_depth, lookup_depth)
         self.default_nodes = max(inner.default_nodes, lookup_depth + 1)
+        self.default_adaptive = inner.default_adaptive
         self.lookups = 0  # steps drafted by lookup
         self.model_drafts = 0  # steps drafted by ``inner``
         self._missed_at = -1  # context length at which the last lookup found nothing

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -153,6 +154,9 @@ def validate_config(cfg, file=CONFIG_NAME, target=None) -> dict:
     if "drafter_options" in training:
         for key, problem in drafter_option_problems(training["drafter_options"]):
             raise CheckpointError(file, "training.drafter_options" + (f".{key}" if key else ""), problem)
+    if "runtime_shape" in training:
+        for key, problem in runtime_shape_problems(training["runtime_shape"]):
+            raise CheckpointError(file, "training.runtime_shape" + (f".{key}" if key else ""), problem)
     if list(cfg["target"]["feature_layers"]) != list(cfg["architecture"]["feature_layers"]):
         raise CheckpointError(file, "target.feature_layers",
                               f"{cfg['target']['feature_layers']} != architecture.feature_layers "
@@ -196,6 +200,52 @@ def drafter_option_problems(options) -> list[tuple[str | None, str]]:
         else:
             out.append((key, f"unknown draft option (allowed: tree, {', '.join(bounds)})"))
     return out
+
+
+#: what ``training.runtime_shape`` may hold beside the draft options (see runtime/tune.py): the
+#: adaptive setting that goes with the shape, and how it was measured
+_RUNTIME_SHAPE_SCHEMA = {"adaptive": bool, "speedups": dict, "prompts": int, "max_new_tokens": int,
+                         "prompt_lookup": int, "threads": int, "dtype": str, "device": str}
+
+
+def runtime_shape_problems(shape) -> list[tuple[str | None, str]]:
+    """Problems of a checkpoint's measured runtime default shape (``training.runtime_shape``,
+    written by :func:`set_runtime_shape`): the draft options as in ``drafter_options``, ``adaptive``
+    required, the measurement's fields typed, no other key."""
+    if not isinstance(shape, dict):
+        return [(None, f"expected an object, got {_json_type(shape)}")]
+    options = {k: v for k, v in shape.items() if k in ("tree", "depth", "top_k", "total_tokens")}
+    out = drafter_option_problems(options)
+    if "adaptive" not in shape:
+        out.append(("adaptive", "missing"))
+    for key, value in shape.items():
+        if key in options:
+            continue
+        spec = _RUNTIME_SHAPE_SCHEMA.get(key)
+        if spec is None:
+            out.append((key, f"unknown key (allowed: tree, depth, top_k, total_tokens, {', '.join(_RUNTIME_SHAPE_SCHEMA)})"))
+        elif not _type_ok(value, spec):
+            out.append((key, f"expected {_type_name(spec)}, got {_json_type(value)} ({value!r:.60})"))
+        elif key == "speedups" and not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
+            out.append((key, "expected numbers"))
+    return out
+
+
+def set_runtime_shape(path, shape: dict) -> dict:
+    """Store ``shape`` (see :func:`~specfoundry.runtime.tune.measure_runtime_shape`) as the
+    checkpoint's ``training.runtime_shape``, replacing ``config.json`` atomically; returns the new
+    config. The weights are untouched."""
+    from ..atomic import atomic_file
+
+    cfg = read_config(path)
+    cfg.setdefault("training", {})["runtime_shape"] = shape
+    text = json.dumps(cfg, indent=2, allow_nan=False)
+    validate_config(json.loads(text), "<config being saved>")
+    file = Path(path) / CONFIG_NAME
+    with atomic_file(file) as tmp:
+        tmp.write_text(text + "\n", encoding="utf-8")
+        shutil.copymode(file, tmp)  # the temporary file is private (0600); keep what the config had
+    return cfg
 
 
 def read_config(path) -> dict:

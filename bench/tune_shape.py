@@ -1,0 +1,80 @@
+"""``specfoundry tune-shape``: measure a trained EAGLE head's fastest draft shape on this machine
+and store it as the checkpoint's runtime default (``training.runtime_shape``).
+
+    specfoundry tune-shape --speculator runs/<recipe>/speculator [--data FILE] [--limit N]
+        [--shapes adaptive,chain@2,chain@3,chain@4] [--threads N] [--dry-run]
+
+The training run already measures this on its held-out prompts, on the machine it trained on;
+re-run it on the machine that serves (the best shape follows that machine's cost curve). Prompts:
+first turns of ``--data`` (default: the built-in bench set), ``--limit`` of them in file order
+across categories. See :mod:`specfoundry.runtime.tune`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def register(subparsers) -> None:
+    from specfoundry.runtime.cli import DTYPES
+
+    p = subparsers.add_parser("tune-shape", help="measure a trained EAGLE head's fastest draft shape here and store it "
+                                                 "as its runtime default")
+    p.add_argument("--speculator", required=True, metavar="DIR", help="an eagle/eagle3 checkpoint directory")
+    p.add_argument("--target", default="smollm2-135m", help="the target it belongs to (built-in name, HF id or path)")
+    p.add_argument("--data", default=None, metavar="FILE", help="prompt JSONL (default: the built-in bench set)")
+    p.add_argument("--limit", type=int, default=12, help="prompts to time (default 12)")
+    p.add_argument("--shapes", default="adaptive,chain@2,chain@3,chain@4",
+                   help="candidates: 'adaptive' (the checkpoint's tau shape under the controller) and chain@K")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompt-lookup", type=int, default=2, metavar="N",
+                   help="prompt lookup first on N-token matches, as generate/serve default to (0: off)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
+    p.add_argument("--dry-run", action="store_true", help="measure and print, do not write the checkpoint")
+    p.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> int:
+    import torch
+
+    from specfoundry.runtime.adaptive import check_int, parse_shape_candidate
+    from specfoundry.runtime.cli import DTYPES, check_device
+    from specfoundry.runtime.models import load_target
+    from specfoundry.runtime.speculators.checkpoint import read_config, set_runtime_shape
+    from specfoundry.runtime.tune import measure_runtime_shape
+
+    from .prompts import load_prompts
+
+    check_int("--limit", args.limit, 1)
+    check_int("--max-new-tokens", args.max_new_tokens, 1)
+    check_int("--prompt-lookup", args.prompt_lookup, 0, 64)
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    for s in shapes:
+        parse_shape_candidate(s)
+    if not shapes:
+        raise ValueError("--shapes is empty")
+    check_device(args.device)
+    kind = read_config(args.speculator)["speculator_type"]  # fails before loading anything
+    if kind not in ("eagle", "eagle3"):
+        raise ValueError(f"{args.speculator}: a {kind!r} speculator; tune-shape measures EAGLE heads (eagle, eagle3)")
+    if args.threads:
+        check_int("--threads", args.threads, 1)
+        torch.set_num_threads(args.threads)
+    prompts = [p.turns[0] for p in load_prompts(args.data)]
+    # spread over categories: every k-th prompt rather than the first category's
+    step = max(1, len(prompts) // args.limit)
+    prompts = prompts[::step][: args.limit]
+    target = load_target(args.target, device=args.device, dtype=DTYPES[args.dtype])
+    shape = measure_runtime_shape(target, args.speculator, prompts, shapes, max_new_tokens=args.max_new_tokens,
+                                  prompt_lookup=args.prompt_lookup)
+    best = "adaptive" if shape["adaptive"] else f"chain@{shape['depth']}"
+    for c, v in shape["speedups"].items():
+        print(f"  {c:<10} {v:.2f}x plain decoding{'  <- fastest' if c == best else ''}", file=sys.stderr)
+    if not args.dry_run:
+        set_runtime_shape(args.speculator, shape)
+        print(f"[tune-shape] {args.speculator}: runtime default {best} (training.runtime_shape)", file=sys.stderr)
+    print(json.dumps(shape, indent=2))
+    return 0

@@ -1,0 +1,96 @@
+"""The runtime default draft shape of a trained EAGLE head, measured on this machine.
+
+Why: the shape a training run measures tau with (e.g. 32-node EAGLE-2 trees) is rarely the
+fastest one to serve. On a CPU verification is compute-bound, so the fastest shape follows the
+machine's cost curve and the head's acceptance: with the long recipe's head the fixed chain of 3
+with prompt lookup first ran 1.37x plain decoding where its 32-node trees under the adaptive
+controller ran ~1.3x, and the default head's best chain is shorter (docs/results.md). No model of
+costs and acceptance is as reliable as timing the candidates, so :func:`measure_runtime_shape`
+does that: each prompt is decoded plainly and with every candidate (greedy, prompt lookup first,
+rotating order, one warm-up first), and the candidate with the best median speed-up wins.
+
+:func:`~specfoundry.runtime.speculators.checkpoint.set_runtime_shape` stores the result in the
+checkpoint (``training.runtime_shape``); ``load_drafter`` then uses that shape, and the generator
+its adaptive setting, whenever the caller names no shape. The training evaluation measures it on
+its held-out prompts; ``specfoundry tune-shape`` re-measures it on the serving machine (the best
+shape is a property of the machine as much as of the head).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from .adaptive import parse_shape_candidate
+
+__all__ = ["DEFAULT_CANDIDATES", "measure_runtime_shape"]
+
+#: the natural shape under the adaptive controller, and fixed chains of 2-4 (what won on the
+#: machines measured so far; a chain's cost grows slowly with its length there)
+DEFAULT_CANDIDATES = ("adaptive", "chain@2", "chain@3", "chain@4")
+
+
+def _generator(target, speculator, spec: str, prompt_lookup: int):
+    from .drafters import load_drafter
+    from .drafters.lookup import with_lookup
+    from .generator import SpeculativeGenerator
+
+    kind, depth = parse_shape_candidate(spec)
+    if kind == "adaptive":  # the head's natural shape (training.drafter_options), the controller on
+        from .speculators.checkpoint import read_config
+
+        saved = (read_config(speculator).get("training") or {}).get("drafter_options") or {}
+        drafter = load_drafter(str(speculator), target=target, **saved)
+        shape = {**saved, "adaptive": True}
+    else:
+        drafter = load_drafter(str(speculator), target=target, tree="chain", depth=depth)
+        shape = {"tree": "chain", "depth": depth, "adaptive": False}
+    return SpeculativeGenerator(target, with_lookup(drafter, prompt_lookup), adaptive=shape["adaptive"]), shape
+
+
+def measure_runtime_shape(target, speculator, prompts: list[str], candidates=DEFAULT_CANDIDATES, *,
+                          max_new_tokens: int = 64, prompt_lookup: int = 2, max_minutes: float | None = None,
+                          progress: bool = True) -> dict:
+    """Time plain decoding and every candidate on ``prompts`` (chat user messages) and return the
+    fastest candidate's shape, as ``training.runtime_shape`` stores it::
+
+        {"tree", "depth", ["top_k", "total_tokens"], "adaptive", "speedups": {candidate: median
+         speed-up}, "prompts", "max_new_tokens", "prompt_lookup", "threads", "dtype", "device"}
+
+    ``max_minutes`` stops starting new prompts once reached (at least one prompt is measured).
+    Greedy decoding; the outputs are not compared here (every path is lossless, and the tests
+    and the bench check it)."""
+    if not prompts:
+        raise ValueError("measure_runtime_shape needs at least one prompt")
+    candidates = list(dict.fromkeys(candidates))
+    if not candidates:
+        raise ValueError("measure_runtime_shape needs at least one candidate shape")
+    for c in candidates:
+        parse_shape_candidate(c)  # every bad spec refused before anything runs
+    from .generator import SpeculativeGenerator
+
+    plain = SpeculativeGenerator(target)
+    gens = {c: _generator(target, speculator, c, prompt_lookup) for c in candidates}
+    kw = dict(max_new_tokens=max_new_tokens, temperature=0.0, context_overflow="truncate_prompt")
+    for gen, _ in gens.values():  # warm-up: lazy setup (cost curve, kernels) stays out of the timing
+        gen.generate(prompt=prompts[0], max_new_tokens=4, temperature=0.0, context_overflow="truncate_prompt")
+    ratios: dict[str, list[float]] = {c: [] for c in candidates}
+    deadline = time.perf_counter() + max_minutes * 60 if max_minutes else None
+    for i, prompt in enumerate(tqdm(prompts, desc="runtime shape", disable=not progress, leave=False)):
+        if i and deadline and time.perf_counter() > deadline:
+            break
+        base = plain.generate(prompt=prompt, speculate=False, **kw).stats
+        per_token = base.seconds / max(base.new_tokens, 1)
+        order = candidates[i % len(candidates):] + candidates[:i % len(candidates)]  # rotate: no fixed slot
+        for c in order:
+            s = gens[c][0].generate(prompt=prompt, **kw).stats
+            ratios[c].append(per_token / (s.seconds / max(s.new_tokens, 1)))
+    speedups = {c: statistics.median(r) for c, r in ratios.items()}
+    best = max(candidates, key=lambda c: speedups[c])  # ties: the first listed
+    return {**gens[best][1], "speedups": {c: round(v, 4) for c, v in speedups.items()},
+            "prompts": len(ratios[best]), "max_new_tokens": max_new_tokens, "prompt_lookup": prompt_lookup,
+            "threads": torch.get_num_threads(), "dtype": str(target.dtype).removeprefix("torch."),
+            "device": str(target.device)}

@@ -1,0 +1,146 @@
+"""A trained EAGLE head's measured runtime default shape (runtime/tune.py): the fastest candidate
+is chosen from timed runs, stored in ``training.runtime_shape`` (validated like every checkpoint
+field), and used by ``load_drafter`` and the generator whenever the caller names no shape."""
+
+import json
+import os
+import types
+
+import pytest
+
+from specfoundry.runtime import SpeculativeGenerator, load_drafter, load_target
+from specfoundry.runtime import tune
+from specfoundry.runtime.drafters.lookup import with_lookup
+from specfoundry.runtime.speculators import Eagle3Head, read_config, save_speculator
+from specfoundry.runtime.speculators.checkpoint import CheckpointError, runtime_shape_problems, set_runtime_shape
+from tiny_models import TINY_PROMPTS, tiny_target_with_smollm2_tokenizer
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+TAU_SHAPE = {"tree": "dynamic", "total_tokens": 8, "top_k": 2, "depth": 3}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2):
+    d = tiny_target_with_smollm2_tokenizer(tmp_path_factory.mktemp("tiny-target"), smollm2.vocab_size)
+    return load_target(str(d)), d
+
+
+@pytest.fixture
+def checkpoint(tmp_path, tiny):
+    target, _ = tiny
+    head = Eagle3Head.from_target(target, draft_vocab_size=256, seed=0)
+    return save_speculator(head, tmp_path / "spec", target, training={"drafter_options": dict(TAU_SHAPE)})
+
+
+def _stats(seconds, tokens=8):
+    return types.SimpleNamespace(stats=types.SimpleNamespace(seconds=seconds, new_tokens=tokens))
+
+
+class _Timed:
+    """A generator whose every request takes ``seconds`` (for the choice rule, not real speed)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+        self.calls = 0
+
+    def generate(self, **kw):
+        self.calls += 1
+        return _stats(self.seconds)
+
+
+def test_the_fastest_median_wins_and_the_budget_stops_new_prompts(monkeypatch, checkpoint, tiny):
+    target, _ = tiny
+    secs = {"adaptive": 0.8, "chain@2": 0.5, "chain@3": 0.4, "chain@4": 0.4}  # plain: 1.0
+    fakes = {c: _Timed(s) for c, s in secs.items()}
+    monkeypatch.setattr(tune, "_generator", lambda t, spec, c, lookup: (fakes[c], {"tree": "chain", "depth": int(c[-1]),
+                                                                                   "adaptive": False}
+                                                                         if c != "adaptive" else {"adaptive": True}))
+    import specfoundry.runtime.generator as generator_mod
+
+    monkeypatch.setattr(generator_mod, "SpeculativeGenerator", lambda target: _Timed(1.0))
+    shape = tune.measure_runtime_shape(target, checkpoint, ["a", "b", "c"], progress=False)
+    # chain@3 and chain@4 tie at 2.5x: the first listed wins
+    assert shape["depth"] == 3 and shape["adaptive"] is False and shape["prompts"] == 3
+    assert shape["speedups"] == {"adaptive": 1.25, "chain@2": 2.0, "chain@3": 2.5, "chain@4": 2.5}
+    assert runtime_shape_problems(shape) == []
+    assert all(f.calls == 1 + 3 for f in fakes.values())  # one warm-up, then every prompt
+
+    clock = iter([0.0] + [1e9] * 100)  # the deadline, then always past it
+    monkeypatch.setattr(tune, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    shape = tune.measure_runtime_shape(target, checkpoint, ["a", "b", "c"], max_minutes=1, progress=False)
+    assert shape["prompts"] == 1  # the first prompt is always measured
+    with pytest.raises(ValueError, match="at least one prompt"):
+        tune.measure_runtime_shape(target, checkpoint, [], progress=False)
+    with pytest.raises(ValueError, match="expected 'adaptive' or 'chain@K'"):
+        tune.measure_runtime_shape(target, checkpoint, ["a"], ["tree@3"], progress=False)
+
+
+def test_measured_shape_is_stored_and_becomes_the_default(checkpoint, tiny):
+    target, _ = tiny
+    mode = os.stat(checkpoint / "config.json").st_mode
+    weights = (checkpoint / "model.safetensors").read_bytes()
+    shape = tune.measure_runtime_shape(target, checkpoint, TINY_PROMPTS[:2], ["adaptive", "chain@2"],
+                                       max_new_tokens=6, progress=False)
+    assert set(shape["speedups"]) == {"adaptive", "chain@2"} and all(v > 0 for v in shape["speedups"].values())
+    assert shape["prompts"] == 2 and shape["prompt_lookup"] == 2 and shape["dtype"] == str(target.dtype).removeprefix("torch.")
+    set_runtime_shape(checkpoint, shape)
+    assert read_config(checkpoint)["training"]["runtime_shape"] == shape
+    assert read_config(checkpoint)["training"]["drafter_options"] == TAU_SHAPE  # the tau shape is kept
+    assert os.stat(checkpoint / "config.json").st_mode == mode
+    assert (checkpoint / "model.safetensors").read_bytes() == weights
+
+    # no shape named: the runtime shape and its adaptive setting; a named shape: the tau shape's options
+    for forced, want in ((shape, shape), ({"tree": "chain", "depth": 2, "adaptive": False},) * 2,
+                         ({**TAU_SHAPE, "adaptive": True},) * 2):
+        set_runtime_shape(checkpoint, forced)
+        d = load_drafter(str(checkpoint), target=target)
+        assert (d.tree, d.depth, d.default_adaptive) == (want["tree"], want["depth"], want["adaptive"])
+        gen = SpeculativeGenerator(target, with_lookup(d, 2))
+        assert gen.adaptive is want["adaptive"]
+        assert SpeculativeGenerator(target, d, adaptive=True).adaptive  # the caller's word wins
+    named = load_drafter(str(checkpoint), target=target, tree="dynamic")
+    assert (named.tree, named.depth, named.total_tokens, named.default_adaptive) == ("dynamic", 3, 8, True)
+    # lossless whatever the default: the fixed chain's greedy output is the target's
+    set_runtime_shape(checkpoint, {"tree": "chain", "depth": 2, "adaptive": False})
+    gen = SpeculativeGenerator(target, with_lookup(load_drafter(str(checkpoint), target=target), 2))
+    kw = dict(prompt=TINY_PROMPTS[0], max_new_tokens=12, stop_at_eos=False)
+    assert gen.generate(**kw).token_ids == gen.generate(speculate=False, **kw).token_ids
+
+
+@pytest.mark.parametrize("shape, key, problem", [
+    ({"tree": "chain", "depth": 3}, "adaptive", "missing"),
+    ({"tree": "ring", "depth": 3, "adaptive": False}, "tree", "must be 'dynamic' or 'chain'"),
+    ({"tree": "chain", "depth": 0, "adaptive": False}, "depth", "must be in [1, 32]"),
+    ({"tree": "chain", "depth": 3, "adaptive": "no"}, "adaptive", "expected bool"),
+    ({"tree": "chain", "depth": 3, "adaptive": False, "fastest": True}, "fastest", "unknown key"),
+    ({"tree": "chain", "depth": 3, "adaptive": False, "speedups": {"chain@3": "fast"}}, "speedups", "expected numbers"),
+])
+def test_a_bad_runtime_shape_is_refused_by_name(checkpoint, shape, key, problem):
+    problems = runtime_shape_problems(shape)
+    assert any(k == key and problem in p for k, p in problems), problems
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    cfg["training"]["runtime_shape"] = shape
+    (checkpoint / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=f"training.runtime_shape.{key}"):
+        read_config(checkpoint)
+    with pytest.raises(CheckpointError):
+        set_runtime_shape(checkpoint, {"tree": "chain", "depth": 2, "adaptive": False})  # reads (validates) first
+
+
+def test_tune_shape_cli(checkpoint, tiny, capsys):
+    from specfoundry.runtime.cli import main
+
+    _, target_dir = tiny
+    before = (checkpoint / "config.json").read_text()
+    assert main(["tune-shape", "--speculator", str(checkpoint), "--target", str(target_dir), "--limit", "2",
+                 "--shapes", "chain@2,chain@3", "--max-new-tokens", "4", "--dtype", "float32", "--dry-run"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert set(printed["speedups"]) == {"chain@2", "chain@3"} and printed["prompts"] == 2
+    assert (checkpoint / "config.json").read_text() == before  # --dry-run writes nothing
+    assert main(["tune-shape", "--speculator", str(checkpoint), "--target", str(target_dir), "--limit", "1",
+                 "--shapes", "chain@2", "--max-new-tokens", "4", "--dtype", "float32"]) == 0
+    assert read_config(checkpoint)["training"]["runtime_shape"]["depth"] == 2
+    capsys.readouterr()
+    assert main(["tune-shape", "--speculator", str(checkpoint), "--target", str(target_dir), "--shapes", "tree@2"]) == 2
+    assert "expected 'adaptive' or 'chain@K'" in capsys.readouterr().err
