@@ -390,13 +390,14 @@ def test_default_recipe_fits_the_20_minute_budget():
     caps = plan.budget_s
     assert all(v is not None for v in caps.values()) and sum(caps.values()) <= 20 * 60
     estimate = sum(min(e, caps[k]) for k, e in (("data", plan.data_s), ("training", plan.train_s),
-                                                ("evaluation", plan.eval_s)))
+                                                ("evaluation", plan.eval_s), ("runtime shape", plan.shape_s)))
     # the offline capture runs after the data budget: the budgets plus it must still fit
     assert plan.capture_s is not None and estimate + plan.capture_s <= 20 * 60
     assert sum(caps.values()) + plan.capture_s <= 20 * 60
     assert plan.data_s <= caps["data"], "the data budget would cut the default recipe's prompts"
     assert plan.train_s <= caps["training"], "the training guard would stop the default recipe's planned steps"
     assert plan.eval_s <= caps["evaluation"], "the evaluation guard would cut the default recipe's cells"
+    assert plan.shape_s <= caps["runtime shape"], "the runtime-shape guard would cut its prompts"
     assert plan.device == "cpu" and plan.world_size == 1
     long = make_plan(load_recipe("eagle3-smollm2-135m-long"))
     assert sum(long.budget_s.values()) <= 120 * 60

@@ -105,6 +105,7 @@ class Plan:
     train_s: float | None
     eval_s: float | None
     budget_s: dict[str, float | None]  # the recipe's max_minutes caps per stage
+    shape_s: float | None = None  # the runtime-shape timing after the evaluation (EAGLE heads)
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -263,7 +264,18 @@ def make_plan(recipe: Recipe, *, zero_stage: int | None = None, arch: Architectu
         eval_s = n_eval * len(ev.temperatures) * ev.max_new_tokens * m["decode_step_s"] * (2 if ev.baseline else 1)
     budget = {"data": d.max_minutes and d.max_minutes * 60, "training": tr.max_minutes and tr.max_minutes * 60,
               "evaluation": ev.max_minutes and ev.max_minutes * 60}
-    for stage_name, est in (("data", data_s), ("training", train_s), ("evaluation", eval_s)):
+    shape_s = None
+    if r.method in ("eagle3", "eagle") and ev.runtime_prompts and ev.runtime_shapes:
+        # plain decoding and every candidate per held-out prompt (runtime/tune.py); the candidates
+        # ran ~1.1-1.3x plain decoding with the default head (docs/results.md)
+        budget["runtime shape"] = ev.runtime_max_minutes and ev.runtime_max_minutes * 60
+        if m.get("decode_step_s"):
+            shape_s = (min(ev.runtime_prompts, d.eval_prompts) * (1 + len(ev.runtime_shapes) / 1.2) * ev.max_new_tokens
+                       * m["decode_step_s"])
+    for stage_name, est in (("data", data_s), ("training", train_s), ("evaluation", eval_s),
+                            ("runtime shape", shape_s)):
+        if stage_name not in budget:
+            continue
         cap_s = budget[stage_name]
         if est is not None and cap_s is not None and est > cap_s:
             warnings.append(f"{stage_name} estimated {est / 60:.1f} min is cut at its {cap_s / 60:.0f} min budget")
@@ -275,7 +287,7 @@ def make_plan(recipe: Recipe, *, zero_stage: int | None = None, arch: Architectu
                 train_prompts=n_train, eval_prompts=d.eval_prompts, prompt_tokens=avg_prompt, response_tokens=avg_resp,
                 seq_tokens=seq, total_tokens=total_tokens, loss_tokens=loss_tokens, generated_tokens=generated,
                 global_batch=gbatch, steps_per_epoch=per_epoch, steps=steps, epochs=epochs, data_s=data_s, capture_s=capture_s,
-                train_s=train_s, eval_s=eval_s, budget_s=budget, warnings=warnings)
+                train_s=train_s, eval_s=eval_s, budget_s=budget, shape_s=shape_s, warnings=warnings)
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,20 +371,20 @@ def format_plan(plan: Plan) -> str:
         out.append("time (estimate where measured; capped by max_minutes):")
         total_est, total_cap, known = 0.0, 0.0, True
         for name, est in (("data", plan.data_s), ("capture", plan.capture_s), ("training", plan.train_s),
-                          ("evaluation", plan.eval_s)):
-            if name == "capture" and est is None:
+                          ("evaluation", plan.eval_s), ("runtime shape", plan.shape_s)):
+            if (name == "capture" and est is None) or (name == "runtime shape" and name not in plan.budget_s):
                 continue
             cap = plan.budget_s.get(name)
             shown = est if cap is None or est is None else min(est, cap)
-            out.append(f"  {name:<11} {_min(shown) if shown is not None else 'no measured throughput'}"
+            out.append(f"  {name:<13} {_min(shown) if shown is not None else 'no measured throughput'}"
                        + (f" (budget {cap / 60:g} min)" if cap is not None else ""))
             known &= shown is not None
             total_est += shown or 0.0
             total_cap += cap if cap is not None else (est if name == "capture" else float("inf"))
         if known:
-            out.append(f"  total       ~{total_est / 60:.1f} min")
+            out.append(f"  total         ~{total_est / 60:.1f} min")
         if math.isfinite(total_cap):
-            out.append(f"  at most     {total_cap / 60:.0f} min of stage budgets and capture (plus model loading)")
+            out.append(f"  at most       {total_cap / 60:.0f} min of stage budgets and capture (plus model loading)")
     if plan.warnings:
         out.append("warnings:")
         out += [f"  - {w}" for w in plan.warnings]
