@@ -65,8 +65,11 @@ def model_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dirs):
     target_dir, draft_dir = model_dirs
+    # float32 pinned: serve's default (dtype auto: the fastest measured) picked bf16 on some starts on
+    # a slow 2-core machine, and bf16 near-ties flip between a request's solo and batched forwards
+    # (2 of 6 runs differed at one token), which no exact comparison survives
     args = ["--target", str(target_dir), "--speculator", str(draft_dir), "--max-batch", "8", "--max-queue", "32",
-            "--max-context", str(CONTEXT), "--speculation-table", "1-:3", "--threads", "1"]
+            "--max-context", str(CONTEXT), "--speculation-table", "1-:3", "--threads", "1", "--dtype", "float32"]
     with serve_subprocess(args, timeout=180) as url:
         yield url
 
@@ -204,7 +207,7 @@ def test_sixteen_concurrent_clients_each_get_their_solo_output(server, client):
     with cf.ThreadPoolExecutor(16) as pool:
         together = list(pool.map(run, jobs))
     after = _metrics(server)
-    assert together == solo
+    assert together == solo, [(i, a, b) for i, (a, b) in enumerate(zip(together, solo)) if a != b]
     # they really shared steps: mean sequences per step well above 1
     seq_steps = after["specfoundry_sequence_steps_total"] - before["specfoundry_sequence_steps_total"]
     steps = after["specfoundry_step_seconds_count"] - before["specfoundry_step_seconds_count"]

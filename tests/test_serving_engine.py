@@ -305,6 +305,34 @@ def test_policy_turns_speculation_off_as_load_grows():
     assert table.choose([table.monitor() for _ in range(5)]) == [1] * 5
 
 
+def test_lookup_drafts_are_taken_where_they_pay_and_kept_apart():
+    """Fake cost model as above: a lookup chain rides on a small batch whatever the head's depth
+    (even 0, or a request whose monitor has the head off), is taken under load only when the
+    lookup drafts accept well, and its steps never move the head's acceptance figures."""
+    policy = SpeculationPolicy(5, cost=lambda rows: max(1.0, rows / 8))
+    policy.prior = lambda: [0.2] * 5  # a head that does not pay: depth 0 for every batch
+    policy.draft = 0.5  # seconds per head-drafted token (lookup drafts cost none)
+    mons = [policy.monitor() for _ in range(16)]
+    assert policy.choose(mons[:1]) == [0]
+    assert policy.take_lookups(mons[:1], [0], [5]) == [True]  # 6 rows cost what 1 does
+    assert policy.take_lookups(mons[:2], [0, 0], [0, 3]) == [False, True]  # no match: nothing to take
+    mons[0].switch_off()
+    assert policy.take_lookups(mons[:1], [0], [4]) == [True]
+    # 16 rows: extra rows cost; lookups that accept 10% do not pay, 90% do (for some rows)
+    for _ in range(50):
+        policy.record_lookup(5, 0)
+    low = policy.take_lookups(mons, [0] * 16, [5] * 16)
+    assert policy.lookup_acceptance()[0] == 0.0 and not any(low)
+    fresh = SpeculationPolicy(5, cost=lambda rows: max(1.0, rows / 8))
+    fresh.prior, fresh.draft = policy.prior, policy.draft
+    for _ in range(50):
+        fresh.record_lookup(5, 5)
+    high = fresh.take_lookups(mons, [0] * 16, [5] * 16)
+    assert any(high) and fresh.lookup_acceptance() == [1.0] * 5
+    # the head's pooled figures saw none of it
+    assert sum(policy.pooled.tried) == 0 and sum(fresh.pooled.tried) == 0
+
+
 def test_monitor_switches_a_request_off_and_reprobes():
     policy = SpeculationPolicy(3, cost={1: 1.0, 2: 1.3, 4: 1.9}, window=8, reprobe=5, min_steps=4)
     m = policy.monitor()

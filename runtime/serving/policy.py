@@ -19,6 +19,14 @@ prior). ``k_b = k`` for requests whose monitor has speculation on, else 0.
 (batch 1) no depth would beat plain decoding on those figures, speculation stops for that request
 and is re-probed after ``reprobe`` plain steps. A request may opt out (``speculate=False``).
 
+Prompt lookup (a row whose context's suffix occurred before, drafting what followed it: no head
+forward) is decided per row after that, by :meth:`SpeculationPolicy.take_lookups`: a row's lookup
+chain replaces its depth when it raises the batch's expected rate at the lookup drafts' own pooled
+acceptance, whatever the depth chosen above (even 0, or a request whose monitor has the head off:
+at small batch an extra row is nearly free, as in the single-stream generator, which always takes
+a lookup draft; at large batch only a lookup that accepts well enough is worth its rows). Lookup
+steps are kept out of the head's acceptance figures.
+
 A table in the style of vLLM's ``num_speculative_tokens_per_batch_size`` (``"1-4:3,5-8:1,9-:0"``)
 overrides the cost model's depth; the per-request monitor still applies. When the estimates
 say no depth pays, a depth-1 probe still runs every ``probe_every`` steps so they stay current.
@@ -96,8 +104,9 @@ class SpeculationPolicy:
     """
 
     def __init__(self, max_depth: int, cost=None, table: str | None = None, *, window: int = 16,
-                 reprobe: int = 32, min_steps: int = 4, probe_every: int = 64):
-        self.max_depth = max_depth
+                 reprobe: int = 32, min_steps: int = 4, probe_every: int = 64, lookup_depth: int | None = None):
+        self.max_depth = max_depth  # the head's
+        self.lookup_depth = max_depth if lookup_depth is None else lookup_depth  # a lookup chain's
         self._cost = cost
         self.table = parse_table(table, max_depth)
         self.window, self.reprobe, self.min_steps = window, reprobe, min_steps
@@ -106,6 +115,7 @@ class SpeculationPolicy:
         self.probe_every = probe_every
         self._since_draft = 0
         self.pooled = AcceptanceTally(max_depth)  # every request's steps: the prior of new ones
+        self.lookups = AcceptanceTally(self.lookup_depth)  # prompt-lookup steps, apart from the head's
         self.unit: float | None = None  # seconds per cost unit (measured)
         self.draft: float | None = None  # seconds per drafted token per row (measured)
 
@@ -134,9 +144,41 @@ class SpeculationPolicy:
         """Server-wide acceptance by depth (0.5 where nothing was measured yet: worth a probe)."""
         return [p / t if t else 0.5 for p, t in zip(self.pooled.passed[1:], self.pooled.tried[1:])]
 
+    def lookup_acceptance(self) -> list[float]:
+        """Pooled acceptance by depth of the prompt-lookup drafts (0.5 where nothing was measured)."""
+        return [p / t if t else 0.5 for p, t in zip(self.lookups.passed[1:], self.lookups.tried[1:])]
+
+    def record_lookup(self, depth_drafted: int, accepted: int) -> None:
+        """One verified prompt-lookup step (not the head's: its monitor and prior are left alone)."""
+        if depth_drafted:
+            self.lookups.record(min(depth_drafted, self.lookup_depth), min(accepted, self.lookup_depth))
+
+    def take_lookups(self, monitors: list[AcceptanceMonitor], depths: list[int], lengths: list[int]) -> list[bool]:
+        """For each row, whether it drafts its prompt-lookup chain of ``lengths[b]`` tokens (0: it has
+        none) instead of ``depths[b]`` (from :meth:`choose`): rows in order, each taken when that raises
+        the batch's expected rate (tokens per second of :meth:`rate`; a lookup draft costs its rows in
+        the forward and nothing to draft)."""
+        prior, look = self.prior(), self.lookup_acceptance()
+        acc = [m.acceptance(prior) for m in monitors]
+        unit = self.unit or 1.0
+        draft = self.draft if self.draft is not None else 0.0
+        tokens = sum(expected_tokens(a, k) for a, k in zip(acc, depths))
+        rows, drafted = sum(k + 1 for k in depths), sum(depths)
+        take = [False] * len(depths)
+        for b, n in enumerate(lengths):
+            if n <= 0:
+                continue
+            n = min(n, self.lookup_depth)
+            t2 = tokens - expected_tokens(acc[b], depths[b]) + expected_tokens(look, n)
+            r2, d2 = rows - depths[b] + n, drafted - depths[b]
+            if t2 / (unit * self.cost(r2) + draft * d2) >= tokens / (unit * self.cost(rows) + draft * drafted):
+                take[b] = True
+                tokens, rows, drafted = t2, r2, d2
+        return take
+
     def record_step(self, verify_seconds: float, rows: int, draft_seconds: float, drafted: int) -> None:
         """Measured seconds of one step: the forward over ``rows`` rows and the drafting of
-        ``drafted`` tokens (all requests)."""
+        ``drafted`` tokens by the head (all requests; prompt-lookup drafts cost no drafting)."""
         unit = verify_seconds / self.cost(rows)
         self.unit = unit if self.unit is None else 0.8 * self.unit + 0.2 * unit
         if drafted:

@@ -125,8 +125,13 @@ class ServingEngine:
         self.max_depth = depth if drafter is not None else 0
         self.feature_layers = tuple(drafter.feature_layers) if drafter is not None else ()
         curve = cost_curve if cost_curve is not None else (target.cost_curve() if self.max_depth else None)
+        self._lookup = drafter.lookup if isinstance(drafter, LookupFirstDrafter) else None
+        head_drafter = drafter.inner if self._lookup is not None else drafter
+        # the head drafts at most its own depth (the lookup chain may go deeper)
+        self._head_depth = min(head_drafter.default_depth, self.max_depth) if head_drafter is not None else 0
         # without a drafter there is nothing to tabulate: every step is plain
-        self.policy = SpeculationPolicy(self.max_depth, curve, speculation_table if self.max_depth else None)
+        self.policy = SpeculationPolicy(self._head_depth, curve, speculation_table if self.max_depth else None,
+                                        lookup_depth=self.max_depth)
         self.metrics = metrics or NullMetrics()
         self.engine = target._engine()
         # a row holds a whole request plus one step's draft nodes
@@ -134,13 +139,9 @@ class ServingEngine:
         # EAGLE heads draft for every row at once (one head forward per depth, :mod:`.drafts`)
         # (behind prompt lookup too: a row drafts its lookup chain when it has one, else with the head)
         self.slot_drafts = None
-        self._lookup = drafter.lookup if isinstance(drafter, LookupFirstDrafter) else None
-        head_drafter = drafter.inner if self._lookup is not None else drafter
         if self.max_depth and hasattr(getattr(head_drafter, "head", None), "step_rows") and \
                 getattr(head_drafter, "_static", False):
             self.slot_drafts = SlotDrafts(head_drafter.head, max_batch, self.max_context + self.max_depth + 2)
-        # the head drafts at most its own depth (the lookup chain may go deeper)
-        self._head_depth = min(head_drafter.default_depth, self.max_depth) if head_drafter is not None else 0
         self._waiting: deque[RequestHandle] = deque()
         self._seqs: list[_Seq] = []
         self._filling: deque[_Fill] = deque()  # admitted, prompt being prefilled (no slot row yet)
@@ -345,16 +346,21 @@ class ServingEngine:
             return
         seqs, dev = self._seqs, self.engine.device
         t0 = time.perf_counter()
-        depths = self.policy.choose([s.monitor if s.drafter is not None else _OFF for s in seqs])
+        monitors = [s.monitor if s.drafter is not None else _OFF for s in seqs]
+        depths = self.policy.choose(monitors)
         drafts, failed = [None] * len(seqs), {}
+        # prompt lookup: what followed the context's suffix before (no head forward), for the rows
+        # whose lookup the policy says pays at this batch (even those it has at depth 0)
+        found = [s.lookup.chain(s.ids[:, -1], min(s.lookup.default_depth, self.max_depth))
+                 if s.lookup is not None and s.monitor.enabled else None for s in seqs]
+        lengths = [f.num_nodes - 1 if f is not None else 0 for f in found]
+        looked = self.policy.take_lookups(monitors, depths, lengths) if any(lengths) else [False] * len(seqs)
         batched: dict[int, list[int]] = {}  # depth -> rows drafted together by the slot drafts
         for b, (s, k) in enumerate(zip(seqs, depths)):
-            found = s.lookup.chain(s.ids[:, -1], min(k, s.lookup.default_depth)) if k > 0 and s.lookup is not None \
-                else None
-            if found is not None and found.num_nodes > 1:  # what followed the suffix before: no head forward
-                drafts[b] = found
+            if looked[b]:
+                drafts[b] = found[b]
             elif k > 0 and s.drafter is _BATCHED:
-                batched.setdefault(min(k, self._head_depth), []).append(b)
+                batched.setdefault(k, []).append(b)
             elif k > 0:
                 try:
                     drafts[b] = s.drafter.propose(DraftContext(s.ids, s.sampling, k, k + 1, s.gen))
@@ -419,18 +425,18 @@ class ServingEngine:
                 except Exception as e:  # noqa: BLE001
                     self._drop_drafter(s, e)
         t3 = time.perf_counter()
-        drafted = sum(d.num_nodes - 1 for d in drafts)
+        drafted = sum(d.num_nodes - 1 for d, lk in zip(drafts, looked) if not lk)  # by the head
         if not chunks:  # the cost model's unit is a decode forward's (a prefill chunk would skew it)
             self.policy.record_step(t2 - t1, B * N, (t1 - t0) + (t3 - t2), drafted)
         self.steps += 1
-        self.metrics.step(B, queued, sum(1 for k in depths if k), t3 - t0)
+        self.metrics.step(B, queued, sum(1 for d in drafts if d.num_nodes > 1), t3 - t0)
         finished = []
         now = time.perf_counter()
         for b, (s, d) in enumerate(zip(seqs, drafts)):
             if b in failed:
                 finished.append((b, "error"))
             else:
-                self._emit(b, s, d, depths[b], accepted[b], news[b], now, finished)
+                self._emit(b, s, d, looked[b], accepted[b], news[b], now, finished)
         self._errors = failed
         for row, reason in sorted(finished, reverse=True):
             self._finish(row, reason)
@@ -469,11 +475,13 @@ class ServingEngine:
                                     self.feature_layers)
         self._chunks_done(chunks, features)
 
-    def _emit(self, b: int, s: _Seq, d: Draft, depth: int, n_acc: int, new: torch.Tensor, now: float,
+    def _emit(self, b: int, s: _Seq, d: Draft, looked: bool, n_acc: int, new: torch.Tensor, now: float,
               finished: list) -> None:
         n_drafted = d.num_nodes - 1
         depth_drafted = int(tree_depths(d.parents).max()) if n_drafted else 0
-        if s.drafter is not None:
+        if looked:  # a prompt-lookup draft: its own figures, not the head's
+            self.policy.record_lookup(depth_drafted, n_acc)
+        elif s.drafter is not None:
             self.policy.record(s.monitor, depth_drafted, n_acc)
         st = s.stats
         st.target_forwards += 1
