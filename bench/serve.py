@@ -52,7 +52,9 @@ def register(subparsers) -> None:
                    help="requests per mode and level (default: max(2 x concurrency, 6))")
     p.add_argument("--level-seconds", type=float, default=120.0, help="time bound per mode and level")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--depth", type=int, default=3, help="draft depth of the always-on mode")
+    p.add_argument("--depth", type=int, default=None,
+                   help="draft depth of the always-on mode (default: a trained head's own, i.e. its measured "
+                        "runtime shape's depth; 3 for other speculators)")
     p.add_argument("--prompt-lookup", type=int, default=2, metavar="N",
                    help="the servers' --prompt-lookup (prompt lookup first on an N-token match; 0: off)")
     p.add_argument("--data", default=None, help="prompt JSONL (default: Spec-Bench when ../shared has it)")
@@ -264,6 +266,19 @@ def _table(levels: dict) -> str:
     return "\n".join(lines)
 
 
+def head_depth(speculator: str, default: int = 3) -> int:
+    """The depth a trained EAGLE head drafts when its caller names none (its measured runtime shape,
+    else its τ shape: what ``load_drafter`` uses); ``default`` for other speculators."""
+    from ..runtime.speculators.checkpoint import read_config
+
+    path = Path(speculator)
+    if not (path / "config.json").is_file():
+        return default
+    training = read_config(path).get("training") or {}
+    shape = training.get("runtime_shape") or training.get("drafter_options") or {}
+    return int(shape.get("depth", default))
+
+
 def main(args) -> int:
     from ..runtime.serving.launch import serve_subprocess
     from . import vllm_server
@@ -275,6 +290,8 @@ def main(args) -> int:
         raise SystemExit(f"unknown mode(s) {sorted(unknown)}: choose from off, on, load-aware")
     peer_modes = vllm_server.peer_modes(getattr(args, "peers", ""))
     speculator = args.speculator or (str(DEFAULT_RUN) if (DEFAULT_RUN / "config.json").exists() else "ngram")
+    if args.depth is None:
+        args.depth = head_depth(speculator)
     data = args.data or (str(SPEC_BENCH) if SPEC_BENCH.exists() else None)
     prompts = [[{"role": "user", "content": p.turns[0]}] for p in select(load_prompts(data), None, None)]
     random.Random(0).shuffle(prompts)
