@@ -272,7 +272,11 @@ def head_depth(speculator: str, default: int = 3) -> int:
     from ..runtime.speculators.checkpoint import read_config
 
     path = Path(speculator)
-    if not (path / "config.json").is_file():
+    try:
+        is_head = "speculator_type" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError, TypeError):  # ngram, a draft model's HF config: not a speculator checkpoint
+        is_head = False
+    if not is_head:
         return default
     training = read_config(path).get("training") or {}
     shape = training.get("runtime_shape") or training.get("drafter_options") or {}
