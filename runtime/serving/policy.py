@@ -118,9 +118,6 @@ class SpeculationPolicy:
         self.lookups = AcceptanceTally(self.lookup_depth)  # prompt-lookup steps, apart from the head's
         self.unit: float | None = None  # seconds per cost unit (measured)
         self.draft: float | None = None  # seconds per drafted token per row (measured)
-        # seconds per step whatever is drafted (measured): the drafters keeping up with the committed
-        # tokens (an EAGLE head runs every row's accepted pairs); charged to no depth
-        self.overhead = 0.0
 
     def monitor(self, speculate: bool = True) -> AcceptanceMonitor:
         return AcceptanceMonitor(self.max_depth, self.window, self.reprobe, enabled=speculate and self.max_depth > 0)
@@ -177,19 +174,16 @@ class SpeculationPolicy:
                 tokens, rows, drafted = t2, r2, d2
         return take
 
-    def record_step(self, verify_seconds: float, rows: int, draft_seconds: float, drafted: int,
-                    overhead_seconds: float = 0.0) -> None:
-        """Measured seconds of one step: the forward over ``rows`` rows, the drafting of ``drafted``
-        tokens by the head (all requests; prompt-lookup drafts cost no drafting) and what the step
-        cost whatever it drafted (``overhead_seconds``: the drafters' commits). Charging the commits
-        to the drafted tokens, as before, priced a head draft at ~2x its cost and kept the depth low
-        (load-aware 0.91 of always-on at 1 client)."""
+    def record_step(self, verify_seconds: float, rows: int, draft_seconds: float, drafted: int) -> None:
+        """Measured seconds of one step: the forward over ``rows`` rows and the drafting of
+        ``drafted`` tokens by the head (all requests; prompt-lookup drafts cost no drafting; the
+        drafters' commits are counted in ``draft_seconds``: charging them to no depth instead was
+        tried and measured no better, docs/results.md seventh session)."""
         unit = verify_seconds / self.cost(rows)
         self.unit = unit if self.unit is None else 0.8 * self.unit + 0.2 * unit
         if drafted:
             d = draft_seconds / drafted
             self.draft = d if self.draft is None else 0.8 * self.draft + 0.2 * d
-        self.overhead = 0.8 * self.overhead + 0.2 * max(overhead_seconds, 0.0)
 
     def record(self, monitor: AcceptanceMonitor, depth_drafted: int, accepted: int) -> None:
         """One request's verified step; switches its speculation off when it no longer pays."""
@@ -210,7 +204,7 @@ class SpeculationPolicy:
         rows with ``drafted`` head-drafted tokens."""
         unit = self.unit or 1.0
         draft = self.draft if self.draft is not None else 0.0
-        return unit * self.cost(rows) + draft * drafted + self.overhead
+        return unit * self.cost(rows) + draft * drafted
 
     def best_depth(self, monitors: list[AcceptanceMonitor]) -> int:
         """The depth (0 = none) that maximises the batch's expected rate, the speculating

@@ -427,7 +427,7 @@ class ServingEngine:
         t3 = time.perf_counter()
         drafted = sum(d.num_nodes - 1 for d, lk in zip(drafts, looked) if not lk)  # by the head
         if not chunks:  # the cost model's unit is a decode forward's (a prefill chunk would skew it)
-            self.policy.record_step(t2 - t1, B * N, t1 - t0, drafted, t3 - t2)
+            self.policy.record_step(t2 - t1, B * N, (t1 - t0) + (t3 - t2), drafted)
         self.steps += 1
         self.metrics.step(B, queued, sum(1 for d in drafts if d.num_nodes > 1), t3 - t0)
         finished = []
