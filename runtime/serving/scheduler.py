@@ -5,8 +5,9 @@ drafter (forked per sequence) and a :class:`~.slots.SlotCache`; a background thr
 
 1. admit waiting requests (up to ``max_batch`` decoding or prefilling);
 2. :class:`~.policy.SpeculationPolicy` picks each sequence's draft depth for this batch size
-   (0 = plain) and each speculating sequence's drafter proposes a chain/tree (EAGLE heads for
-   all rows at once, :mod:`.drafts`);
+   (0 = plain) and, behind prompt lookup, which rows draft their lookup chain instead (where it
+   pays at this batch); each other speculating sequence's drafter proposes a chain/tree (EAGLE
+   heads for all rows at once, :mod:`.drafts`);
 3. the drafts are padded to one node count and verified in **one** batched forward, which also
    carries the next chunks of the prompts being prefilled (chunked prefill, up to
    ``max_step_tokens`` per forward; :func:`~.slots.forward_mixed`): a prefilled request takes a
@@ -137,7 +138,7 @@ class ServingEngine:
         # a row holds a whole request plus one step's draft nodes
         self.slots = SlotCache(self.engine, max_batch, self.max_context + self.max_depth + 2)
         # EAGLE heads draft for every row at once (one head forward per depth, :mod:`.drafts`)
-        # (behind prompt lookup too: a row drafts its lookup chain when it has one, else with the head)
+        # (behind prompt lookup too: a row drafts its lookup chain when the policy takes it, else with the head)
         self.slot_drafts = None
         if self.max_depth and hasattr(getattr(head_drafter, "head", None), "step_rows") and \
                 getattr(head_drafter, "_static", False):
