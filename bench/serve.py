@@ -269,7 +269,7 @@ def _table(levels: dict) -> str:
 def head_depth(speculator: str, default: int = 3) -> int:
     """The depth a trained EAGLE head drafts when its caller names none (its measured runtime shape,
     else its τ shape: what ``load_drafter`` uses); ``default`` for other speculators."""
-    from ..runtime.speculators.checkpoint import read_config
+    from ..runtime.speculators.checkpoint import default_draft_shape, read_config
 
     path = Path(speculator)
     try:
@@ -278,9 +278,7 @@ def head_depth(speculator: str, default: int = 3) -> int:
         is_head = False
     if not is_head:
         return default
-    training = read_config(path).get("training") or {}
-    shape = training.get("runtime_shape") or training.get("drafter_options") or {}
-    return int(shape.get("depth", default))
+    return int(default_draft_shape(read_config(path))[0].get("depth", default))
 
 
 def main(args) -> int:

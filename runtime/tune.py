@@ -26,11 +26,16 @@ from tqdm import tqdm
 
 from .adaptive import parse_shape_candidate
 
-__all__ = ["DEFAULT_CANDIDATES", "measure_runtime_shape"]
+__all__ = ["DEFAULT_CANDIDATES", "measure_runtime_shape", "shape_label"]
 
 #: the natural shape under the adaptive controller, and fixed chains of 2-4 (what won on the
 #: machines measured so far; a chain's cost grows slowly with its length there)
 DEFAULT_CANDIDATES = ("adaptive", "chain@2", "chain@3", "chain@4")
+
+
+def shape_label(shape: dict) -> str:
+    """The candidate a measured shape came from: ``"adaptive"`` or ``"chain@K"``."""
+    return "adaptive" if shape["adaptive"] else f"chain@{shape['depth']}"
 
 
 def _generator(target, speculator, spec: str, prompt_lookup: int):

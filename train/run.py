@@ -470,14 +470,14 @@ def _save_and_evaluate(recipe, target, module, state_dict, run_dir: Path, summar
     if recipe.method in ("eagle3", "eagle") and ev.runtime_prompts and ev.runtime_shapes and heldout:
         # the fastest measured shape becomes the checkpoint's runtime default (runtime/tune.py)
         from specfoundry.runtime.speculators.checkpoint import set_runtime_shape
-        from specfoundry.runtime.tune import measure_runtime_shape
+        from specfoundry.runtime.tune import measure_runtime_shape, shape_label
 
         shape = measure_runtime_shape(target, spec_dir, heldout[: ev.runtime_prompts], ev.runtime_shapes,
                                       max_new_tokens=ev.max_new_tokens, max_minutes=ev.runtime_max_minutes)
         set_runtime_shape(spec_dir, shape)
         result["runtime_shape"] = shape
         acc.print("[eval] runtime shape: " + ", ".join(f"{c} {v:.2f}x" for c, v in shape["speedups"].items())
-                  + f" -> {'adaptive' if shape['adaptive'] else 'chain@%d' % shape['depth']} "
+                  + f" -> {shape_label(shape)} "
                   f"(prompt lookup first, {shape['prompts']} held-out prompts)")
     from .stages import evaluation_stage, guard_line
 

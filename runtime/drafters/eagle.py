@@ -39,6 +39,7 @@ import torch
 from ..adaptive import MAX_DRAFT_DEPTH, MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, check_int
 from ..sampling import probs_from_logits, sample
 from ..speculators import Eagle3Head, EagleHead, load_speculator, read_config
+from ..speculators.checkpoint import DRAFT_SHAPE_KEYS, default_draft_shape
 from ..target import KVCache
 from ..tree import Draft
 from .base import DraftContext, Drafter, register_drafter
@@ -338,14 +339,13 @@ def _make(drafter_cls, source, target, architecture: dict | None = None, seed: i
         head = load_speculator(source, target)
         if not isinstance(head, head_cls):
             raise ValueError(f"{source}: holds a {head.type!r} speculator, not {drafter_cls.type!r}")
-        # the default shape: the fastest measured one (training.runtime_shape, runtime/tune.py) when
-        # the caller names no shape, else the one the training run measured its tau with, under
-        # the caller's options
-        training = read_config(source).get("training") or {}
-        runtime = training.get("runtime_shape") if not any(k in options for k in _TREE_OPTIONS) else None
-        saved = runtime or training.get("drafter_options") or {}
-        options = {**{k: v for k, v in saved.items() if k in _TREE_OPTIONS}, **options}
-        default_adaptive = runtime["adaptive"] if runtime else True
+        # no shape named: the checkpoint's default (its measured runtime shape, else its tau shape);
+        # a shape named: the tau shape under the caller's options
+        cfg = read_config(source)
+        if any(k in options for k in _TREE_OPTIONS):
+            cfg = {"training": {"drafter_options": (cfg.get("training") or {}).get("drafter_options")}}
+        saved, default_adaptive = default_draft_shape(cfg)
+        options = {**saved, **options}
     engine = getattr(target, "engine", None)
     if engine is not None and hasattr(head, "use_kernels"):
         head.use_kernels(engine.kernels)  # the target engine's measured kernels for this machine/dtype
@@ -354,7 +354,7 @@ def _make(drafter_cls, source, target, architecture: dict | None = None, seed: i
     return drafter
 
 
-_TREE_OPTIONS = ("tree", "depth", "top_k", "total_tokens")
+_TREE_OPTIONS = DRAFT_SHAPE_KEYS
 
 
 class Eagle3Drafter(EagleDrafter):

@@ -202,6 +202,20 @@ def drafter_option_problems(options) -> list[tuple[str | None, str]]:
     return out
 
 
+#: the draft-shape keys of ``training.drafter_options`` / ``training.runtime_shape`` (EAGLE drafters' options)
+DRAFT_SHAPE_KEYS = ("tree", "depth", "top_k", "total_tokens")
+
+
+def default_draft_shape(cfg: dict) -> tuple[dict, bool]:
+    """``(draft options, adaptive)`` a checkpoint loads with when its caller names no shape: its
+    measured runtime shape (``training.runtime_shape``, runtime/tune.py) with its adaptive setting,
+    else the shape its tau was measured with (``training.drafter_options``) under the controller."""
+    training = cfg.get("training") or {}
+    runtime = training.get("runtime_shape")
+    saved = runtime or training.get("drafter_options") or {}
+    return {k: v for k, v in saved.items() if k in DRAFT_SHAPE_KEYS}, (runtime["adaptive"] if runtime else True)
+
+
 #: what ``training.runtime_shape`` may hold beside the draft options (see runtime/tune.py): the
 #: adaptive setting that goes with the shape, and how it was measured
 _RUNTIME_SHAPE_SCHEMA = {"adaptive": bool, "speedups": dict, "prompts": int, "max_new_tokens": int,
@@ -214,7 +228,7 @@ def runtime_shape_problems(shape) -> list[tuple[str | None, str]]:
     required, the measurement's fields typed, no other key."""
     if not isinstance(shape, dict):
         return [(None, f"expected an object, got {_json_type(shape)}")]
-    options = {k: v for k, v in shape.items() if k in ("tree", "depth", "top_k", "total_tokens")}
+    options = {k: v for k, v in shape.items() if k in DRAFT_SHAPE_KEYS}
     out = drafter_option_problems(options)
     if "adaptive" not in shape:
         out.append(("adaptive", "missing"))
@@ -223,7 +237,7 @@ def runtime_shape_problems(shape) -> list[tuple[str | None, str]]:
             continue
         spec = _RUNTIME_SHAPE_SCHEMA.get(key)
         if spec is None:
-            out.append((key, f"unknown key (allowed: tree, depth, top_k, total_tokens, {', '.join(_RUNTIME_SHAPE_SCHEMA)})"))
+            out.append((key, f"unknown key (allowed: {', '.join(DRAFT_SHAPE_KEYS + tuple(_RUNTIME_SHAPE_SCHEMA))})"))
         elif not _type_ok(value, spec):
             out.append((key, f"expected {_type_name(spec)}, got {_json_type(value)} ({value!r:.60})"))
         elif key == "speedups" and not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
