@@ -156,7 +156,7 @@ def test_nested_typo_names_the_key_path(tmp_path):
     ("  learning_rate: 0", "training.learning_rate: must be > 0, got 0.0"),
     ("  gradient_checkpointing: 'yes'", "training.gradient_checkpointing: expected true or false, got str 'yes'"),
     ("  scheduler: cosin", "training.scheduler: 'cosin' is not one of cosine, linear, constant; did you mean 'cosine'?"),
-    ("  precision: int8", "training.precision: 'int8' is not one of fp32, bf16, fp16"),
+    ("  precision: int8", "training.precision: 'int8' is not one of auto, fp32, bf16, fp16"),
 ])
 def test_wrong_type_or_value_fails_clearly(tmp_path, line, expected):
     p = _write(tmp_path, MINIMAL + line + "\n")
@@ -279,7 +279,8 @@ def test_dump_resolved_round_trips(tmp_path, monkeypatch, name):
     assert back == want and resolve(want) == want  # resolving is idempotent
     d = back.to_dict()
     assert d["output_dir"] == f"runs/{name}" and d["data"]["cache_dir"]
-    assert d["data"]["responses"]["dtype"] == r.target.dtype
+    assert d["data"]["responses"]["dtype"] == want.target.dtype != "auto"
+    assert d["training"]["precision"] in ("fp32", "bf16", "fp16")
     assert d["tracking"]["wandb_mode"] == "offline" and d["tracking"]["run_name"] == name
     assert d["launcher"]["num_processes"] >= 1 and d["target"]["placement"] != "auto"
     assert d["target"]["feature_layers"]  # filled from the preset, no download
@@ -385,7 +386,43 @@ def test_70b_plan_numbers_are_sane():
     assert plan.fits and m.total < 80 * GB
 
 
-def test_default_recipe_fits_the_20_minute_budget():
+def _native_bf16(monkeypatch, native: bool):
+    import specfoundry.train.hardware as hw
+
+    monkeypatch.setattr(hw, "cpu_has_native_bf16", lambda *a: native)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_precision_auto_follows_the_cpu(monkeypatch, native):
+    _native_bf16(monkeypatch, native)
+    want = "bf16" if native else "fp32"
+    r = resolve(load_recipe("eagle3-smollm2-135m"))
+    assert (r.target.dtype, r.data.responses.dtype, r.training.precision) == (want, want, want)
+    args = launch_args(load_recipe("eagle3-smollm2-135m"))  # unresolved: the same answer
+    assert args[args.index("--mixed_precision") + 1] == ("bf16" if native else "no")
+    # named values are kept, and GPU recipes resolve auto to bf16 whatever the host CPU has
+    assert resolve(load_recipe("eagle3-smollm2-135m", {"training.precision": "fp32"})).training.precision == "fp32"
+    gpu = resolve(load_recipe("eagle-llama3-70b", {"target.dtype": "auto", "training.precision": "auto"}))
+    assert (gpu.target.dtype, gpu.training.precision) == ("bf16", "bf16")
+
+
+def test_cpu_bf16_flags(tmp_path):
+    from specfoundry.train.hardware import cpu_has_native_bf16
+
+    for flags, native in (("fpu sse2 avx2 fma", False), ("avx512f avx512bw avx512_bf16", True),
+                          ("avx512f amx_tile amx_bf16", True), ("avx512f avx512bw avx512_vnni", False)):
+        f = tmp_path / f"cpuinfo-{native}-{len(flags)}"
+        f.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+        assert cpu_has_native_bf16(str(f)) is native, flags
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n")
+    assert cpu_has_native_bf16(str(arm)) is True
+    assert cpu_has_native_bf16(str(tmp_path / "missing")) is False
+
+
+def test_default_recipe_fits_the_20_minute_budget(monkeypatch):
+    # the stage estimates are rates measured on a CPU with avx512_bf16 (the recipe's bf16 plan)
+    _native_bf16(monkeypatch, True)
     plan = make_plan(load_recipe("eagle3-smollm2-135m"))
     caps = plan.budget_s
     assert all(v is not None for v in caps.values()) and sum(caps.values()) <= 20 * 60
@@ -401,6 +438,13 @@ def test_default_recipe_fits_the_20_minute_budget():
     assert plan.device == "cpu" and plan.world_size == 1
     long = make_plan(load_recipe("eagle3-smollm2-135m-long"))
     assert sum(long.budget_s.values()) <= 120 * 60
+    # without native bf16 (fp32 batched work) the data stage no longer fits: its guard cuts it, the
+    # plan says so, and the stage budgets still hold the run to 20 minutes
+    _native_bf16(monkeypatch, False)
+    slow = make_plan(load_recipe("eagle3-smollm2-135m"))
+    assert slow.recipe.target.dtype == "fp32" and slow.data_s > slow.budget_s["data"]
+    assert any("data estimated" in w and "cut at its 7 min budget" in w for w in slow.warnings)
+    assert sum(slow.budget_s.values()) + slow.capture_s <= 20 * 60
 
 
 def test_plan_rejects_recipes_that_do_not_fit_the_target_shape():

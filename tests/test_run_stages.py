@@ -75,9 +75,9 @@ def test_guard_stopped_stages_are_recorded_and_reported(tmp_path, tiny_target_di
     monkeypatch.setattr(generation, "generate_batched", generate_then_run_out_of_time)
     calls = {"n": 0}
 
-    def eval_perf_counter():  # call 1: the deadline; 2: before prompt 0 of T=0; from 3 on: past it
+    def eval_perf_counter():  # call 1: the deadline; 2: T=0's share; 3: before prompt 0; from 4 on: past it
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == 4:
             eval_clock.jump()
         return eval_clock.perf_counter()
 
@@ -154,3 +154,26 @@ def test_all_stages_as_planned_and_a_short_prompt_set_is_marked():
     assert short["cells"]["tiny T=0"]["short_of_prompts"] == "the set holds 2 of the 8 prompts asked"
     assert guard_line({"evaluation": short}) == "[train] WARNING: short of plan: evaluation tiny T=0 2/8 prompts (fewer in the set)"
     assert guard_line(None).startswith("[train] WARNING")
+
+
+def test_evaluation_budget_is_shared_out_over_the_cells(tiny_target_dir, monkeypatch):
+    # every prompt costs 31 s of a 120-s budget: without shares the first set took all of it (a
+    # slow machine once measured the held-out set and left MT-bench at 0 prompts)
+    from specfoundry.runtime import SpeculativeGenerator, load_drafter, load_target
+    from specfoundry.train import evaluate
+
+    tiny_target = load_target(str(tiny_target_dir))
+    clock = {"t": 0.0}
+    monkeypatch.setattr(evaluate, "time", argparse.Namespace(perf_counter=lambda: clock["t"]))
+    real = SpeculativeGenerator.generate
+
+    def slow_generate(self, *a, **kw):
+        clock["t"] += 31.0
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate", slow_generate)
+    sets = {"a": ["1 2 3", "4 5 6", "7 8 9", "10 11"], "b": ["12 13", "14 15", "16 17", "18 19"]}
+    out = evaluate.evaluate_speculator(tiny_target, load_drafter("ngram", target=tiny_target), sets,
+                                       temperatures=(0.0,), max_new_tokens=4, depth=2, baseline=False, max_minutes=2)
+    assert (out["a"]["T=0"]["n"], out["b"]["T=0"]["n"]) == (2, 2)
+    assert out["a"]["T=0"]["stopped_by_guard"] and out["b"]["T=0"]["stopped_by_guard"]

@@ -271,6 +271,33 @@ def test_build_dataset_end_to_end_tiny_with_cache(tiny_target, tmp_path, monkeyp
     assert calls == [] and held_again == held and ds_again.to_dict() == ds.to_dict()
 
 
+def test_build_dataset_gives_prompts_only_their_share_of_the_budget(tiny_target, tmp_path, monkeypatch):
+    seen = {}
+    real = tdata.load_prompts
+
+    def spy(sources, **kw):
+        seen["deadline"] = kw["deadline"]
+        return real(sources, **kw)
+
+    monkeypatch.setattr(tdata, "load_prompts", spy)
+    f = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"{10 + i} {20 + i}"} for i in range(4)])
+    t0 = time.time()
+    build_dataset([{"source": "file", "path": str(f)}], tiny_target, responses_cfg={"max_new_tokens": 4, "batch_size": 4},
+                  max_seq_len=64, cache_dir=tmp_path / "c", max_minutes=10.0)
+    # 10 minutes of budget: Magpie rounds may start for 4 of them, responses get the rest
+    assert t0 + 60 * 10 * tdata.PROMPT_SHARE - 1 <= seen["deadline"] <= time.time() + 60 * 10 * tdata.PROMPT_SHARE
+
+
+def test_build_dataset_with_no_examples_is_a_clear_error(tiny_target, tmp_path):
+    f = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"{10 + i} {20 + i}"} for i in range(4)])
+    # a spent budget: the prompts load (a file costs no generation), no response chunk starts
+    with pytest.raises(ValueError, match=r"no training examples: 4 prompts, 4 to self-distill, 0 response chunks "
+                                         r"done within data.max_minutes=0.0 \(1 chunks left; .*rerun"):
+        build_dataset([{"source": "file", "path": str(f)}], tiny_target, responses_cfg={"max_new_tokens": 4},
+                      max_seq_len=64, cache_dir=tmp_path / "c", max_minutes=0.0)
+    assert not list((tmp_path / "c").glob("datasets/*/dataset_info.json")), "an empty dataset was cached"
+
+
 # ----------------------------------------------------------------------------------------------
 # hidden states
 # ----------------------------------------------------------------------------------------------

@@ -35,6 +35,9 @@ __all__ = ["build_dataset", "make_example", "split_eval", "TRAIN_FEATURES", "Cha
 
 
 _log = stderr_logger(__name__)
+# the most of ``build_dataset``'s time budget that prompt generation may take (the default
+# recipe measured ~30% prompts / 70% responses on an idle machine)
+PROMPT_SHARE = 0.4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +110,7 @@ def build_dataset(prompt_sources: list[dict], target, *, responses_cfg: dict | N
     counts) is split off before any response is generated, and
     prompts whose templated length leaves fewer than ``min_response_tokens`` of ``max_seq_len``
     are dropped. ``max_minutes`` is a wall budget for generation (Magpie rounds and response
-    chunks): past it nothing new is started and the dataset holds what is done (a rerun with
+    chunks; no Magpie round starts past ``PROMPT_SHARE`` of it): past it nothing new is started and the dataset holds what is done (a rerun with
     more time continues from the cache; with several processes give the budget to the main one
     and ``max_minutes=0`` to the others, which then read exactly what it cached). ``stats``: a
     dict filled with what was planned and done (``prompts_asked`` (None when a source has no
@@ -121,8 +124,11 @@ def build_dataset(prompt_sources: list[dict], target, *, responses_cfg: dict | N
     cache_dir = Path(cache_dir)
     t0 = time.perf_counter()
     deadline = time.time() + 60 * max_minutes if max_minutes is not None else None
-    prompts = load_prompts(prompt_sources, target=target, cache_dir=cache_dir, seed=seed, deadline=deadline)
-    out_of_time_prompts = deadline is not None and time.time() > deadline
+    # prompts get at most PROMPT_SHARE of the budget: a prompt without a response trains nothing,
+    # and on a slow machine (emulated bf16) the Magpie rounds alone once ate the whole budget
+    prompt_deadline = time.time() + 60 * max_minutes * PROMPT_SHARE if max_minutes is not None else None
+    prompts = load_prompts(prompt_sources, target=target, cache_dir=cache_dir, seed=seed, deadline=prompt_deadline)
+    out_of_time_prompts = prompt_deadline is not None and time.time() > prompt_deadline
     train_prompts, held_out = split_eval(prompts, eval_prompts, seed)
     chat = ChatFormat(target)
     room = max_seq_len - min_response_tokens
@@ -156,6 +162,12 @@ def build_dataset(prompt_sources: list[dict], target, *, responses_cfg: dict | N
                 cols["response"].append(row["response"])
                 for k in ("input_ids", "loss_mask", "prompt_len"):
                     cols[k].append(ex[k])
+        if not cols["id"]:
+            raise ValueError(
+                f"no training examples: {len(prompts)} prompts, {len(fits)} to self-distill, "
+                f"{report.computed + report.reused} response chunks done"
+                + (f" within data.max_minutes={max_minutes} ({report.skipped} chunks left; what was generated "
+                   f"is cached, so a rerun with a larger data.max_minutes continues from it)" if report.skipped else ""))
         save_dataset_atomic(Dataset.from_dict(cols, features=TRAIN_FEATURES()), out)
     ds = load_from_disk(str(out))
     if stats is not None:

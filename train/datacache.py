@@ -100,8 +100,9 @@ def save_dataset_atomic(ds, out: Path) -> None:
 class ChunkReport:
     computed: int = 0
     reused: int = 0
-    skipped: int = 0  # not computed because the deadline had passed
+    skipped: int = 0  # not computed: it would have ended past the deadline
     stats: GenStats = field(default_factory=GenStats)
+    last_seconds: float = 0.0  # wall time of the last chunk computed (the next one's estimate)
 
 
 def cached_chunks(root: Path | None, items: list, chunk_size: int, key_base: dict,
@@ -110,8 +111,10 @@ def cached_chunks(root: Path | None, items: list, chunk_size: int, key_base: dic
     """Apply ``compute(chunk, seed) -> columns`` to ``items`` chunk by chunk, saving each chunk as a
     ``datasets`` shard in ``root/chunk-<hash>`` (hash of ``key_base`` + the chunk's items). Done
     chunks are loaded instead of recomputed, so an interrupted run resumes; a shard appears by an
-    atomic rename only once it is complete. ``root=None`` computes without caching. Past
-    ``deadline`` (a ``time.time()`` value) no new chunk is started; cached ones are still used.
+    atomic rename only once it is complete. ``root=None`` computes without caching. A new chunk
+    starts only while it is expected to end by ``deadline`` (a ``time.time()`` value; the estimate
+    is ``report.last_seconds``, the previous chunk's time, so pass one report across calls whose
+    chunks cost alike); cached ones are still used.
     Returns the concatenated ``datasets.Dataset`` of the chunks available (None if none)."""
     from datasets import Dataset, concatenate_datasets, load_from_disk
     from tqdm.auto import tqdm
@@ -125,16 +128,21 @@ def cached_chunks(root: Path | None, items: list, chunk_size: int, key_base: dic
         key = stable_hash(key_base, chunk)
         d = root / f"chunk-{key[:20]}" if root is not None else None
         cached = d is not None and (d / "dataset_info.json").exists()
-        if not cached and deadline is not None and time.time() > deadline:
+        # (a guard that only stops starting chunks overran the default recipe's data budget by a
+        # whole 80-s chunk on a slow machine)
+        if not cached and deadline is not None and time.time() + report.last_seconds > deadline:
             report.skipped += 1
             continue
-        if root is None:  # no cache: compute in memory
-            parts.append(Dataset.from_dict(compute(chunk, int(key[:8], 16))))
+        if not cached:
+            t0 = time.perf_counter()
+            cols = compute(chunk, int(key[:8], 16))
+            report.last_seconds = time.perf_counter() - t0
             report.computed += 1
+        if root is None:  # no cache: kept in memory
+            parts.append(Dataset.from_dict(cols))
             continue
         if not cached:
-            save_dataset_atomic(Dataset.from_dict(compute(chunk, int(key[:8], 16))), d)
-            report.computed += 1
+            save_dataset_atomic(Dataset.from_dict(cols), d)
         else:
             report.reused += 1
         parts.append(load_from_disk(str(d)))

@@ -22,19 +22,26 @@ def evaluate_speculator(target, drafter, prompt_sets: dict[str, list[str]], *, t
     near_ties, lossless_failures}}}`` (see :func:`~specfoundry.runtime.lossless.compare_greedy`).
 
     ``planned`` is the number of prompts given for the set, ``n`` the number measured. ``max_minutes``
-    is a guard over the whole evaluation: once past it no new prompt starts, and every cell it cut
+    is a guard over the whole evaluation, shared out evenly over the cells (set x temperature; time a
+    cell leaves unused goes to the later ones): past its share no new prompt of a cell starts, and every cell it cut
     short carries ``stopped_by_guard: True`` and ``incomplete: "<n>/<planned> prompts (...)"``; a
     cell the guard reached before its first prompt is still listed, with ``n: 0`` and ``tau: None``
     (never silently left out)."""
     gen = SpeculativeGenerator(target, drafter, max_depth=depth, adaptive=adaptive)
     deadline = time.perf_counter() + max_minutes * 60 if max_minutes else None
     out: dict = {}
+    cells_left = len(prompt_sets) * len(temperatures)
     for name, prompts in prompt_sets.items():
         out[name] = {}
         for t in temperatures:
             runs, ratios, ident = [], [], []
+            # each cell gets an equal share of the time left (what a quick cell leaves passes on):
+            # a slow machine once spent the whole budget on the first prompt set, leaving MT-bench at 0
+            now = time.perf_counter()
+            cell_end = deadline and now + (deadline - now) / cells_left
+            cells_left -= 1
             for i, prompt in enumerate(tqdm(prompts, desc=f"eval {name} T={t}", leave=False)):
-                if deadline and time.perf_counter() > deadline:
+                if deadline and time.perf_counter() > cell_end:
                     break
                 # a held-out prompt longer than the target's context keeps its last tokens (measured,
                 # not a failed run at the end of training)

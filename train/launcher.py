@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from .hardware import auto_precision
 from .recipe_errors import suggest
 
 __all__ = ["packaged", "accelerate_config_path", "deepspeed_config_path", "list_launcher_configs",
@@ -181,8 +182,11 @@ def launch_args(recipe) -> list[str]:
     if ln.deepspeed is not None:
         args += ["--deepspeed_config_file", str(deepspeed_config_path(ln.deepspeed).resolve())]
     nproc, nmach = process_counts(recipe)
+    precision = recipe.training.precision
+    if precision == "auto":  # an unresolved recipe: what resolve() fills in
+        precision = auto_precision("cpu" if read_accelerate_config(ln.config).get("use_cpu") else "cuda")
     args += ["--num_processes", str(nproc), "--num_machines", str(nmach),
-             "--mixed_precision", {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[recipe.training.precision]]
+             "--mixed_precision", {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision]]
     rank, ip, port = machine_settings(recipe)
     if nmach > 1 or getattr(ln, "machine_rank", None) is not None or getattr(ln, "main_process_ip", None) \
             or getattr(ln, "main_process_port", None):

@@ -338,6 +338,7 @@ def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = N
         reasons: dict[str, int] = {}
         max_rounds = cfg["max_rounds"] or max(4, 4 * math.ceil(count / cfg["round_size"]))
         rnd = 0
+        out_of_time = False
         while len(out) < count and rnd < max_rounds:
             rng = random.Random(f"{cfg['seed']}-{rnd}")
             specs = magpie_specs(cfg["round_size"], rng, topics=topic_list, task_types=cfg["task_types"],
@@ -347,6 +348,7 @@ def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = N
             ds = cached_chunks(root, specs, len(specs), key_base, compute, desc="magpie", report=report,
                                deadline=deadline)
             if ds is None:  # out of time
+                out_of_time = True
                 break
             for text, done in zip(ds["text"], ds["finished"]):
                 why = None
@@ -375,7 +377,8 @@ def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = N
     if stats.seconds:
         _log(f"magpie generation ({dtype_name(gen_dtype)}, batch {cfg['batch_size']}): {stats.summary()}")
     if len(out) < count:
-        _log(f"magpie: only {len(out)} of {count} prompts after {rnd} rounds (raise max_rounds or loosen filters)")
+        why = "the data time budget ran out (data.max_minutes)" if out_of_time else "raise max_rounds or loosen filters"
+        _log(f"magpie: only {len(out)} of {count} prompts after {rnd} rounds ({why})")
     return out
 
 

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ValidationError
 from .launcher import (accelerate_config_path, deepspeed_config_for, deepspeed_config_path, launch_args,
                        list_launcher_configs, packaged, process_counts, read_accelerate_config, read_deepspeed_config,
                        zero3_placement_problem, zero_stage)
+from .hardware import auto_precision
 from .presets import PresetError, cache_root, find_architecture
 from .recipe_errors import RecipeError, got, suggest
 from .recipe_schema import (BUILTIN_HELDOUT, METHODS, PROMPT_SOURCES, SPECULATOR_CLASSES, DataConfig, DraftArchConfig,
@@ -325,13 +326,12 @@ def default_feature_layers(method: str, num_layers: int) -> list[int] | None:
 
 def resolve(recipe: Recipe) -> Recipe:
     """A copy with every default filled that can be filled without a download: output_dir,
-    cache_dir, response dtype, ttt_steps, W&B mode/run name, launcher process counts, draft
+    cache_dir, response dtype, precision `auto`, ttt_steps, W&B mode/run name, launcher process counts, draft
     config sizes, and feature layers (when the target's architecture is a preset or local).
     Idempotent. ``speculator.choices: null`` stays null: it names the runtime's default tree."""
     r = copy.deepcopy(recipe)
     r.output_dir = r.output_dir or f"runs/{r.name}"
     r.data.cache_dir = r.data.cache_dir or str(cache_root() / "data" / r.name)
-    r.data.responses.dtype = r.data.responses.dtype or r.target.dtype
     if r.method == "eagle3" and r.training.ttt_steps is None:
         r.training.ttt_steps = 3
     if r.tracking.wandb_mode == "auto":
@@ -346,6 +346,15 @@ def resolve(recipe: Recipe) -> Recipe:
             and zero3_placement_problem(r) is None else "replicate"
     if r.target.device == "auto":
         r.target.device = "cpu" if acc.get("use_cpu") else "cuda"
+    # precision "auto": what this machine multiplies fastest in batches (train/hardware.py)
+    best = auto_precision(r.target.device.split(":")[0])
+    if r.target.dtype == "auto":
+        r.target.dtype = best
+    r.data.responses.dtype = r.data.responses.dtype or r.target.dtype
+    if r.data.responses.dtype == "auto":
+        r.data.responses.dtype = best
+    if r.training.precision == "auto":
+        r.training.precision = best
     if r.method != "draft" and r.target.feature_layers is None:
         try:
             arch = find_architecture(r.target.name)

@@ -9,7 +9,9 @@ defaults live in :mod:`~specfoundry.train.recipe`; launcher configs in
 
 Strict means: ``"8"`` is not an integer, ``2.5`` is not an integer, ``"yes"`` is not a boolean,
 an empty string is not a name; an integer is accepted where a number is expected. Precision
-fields also take the torch spellings (``bfloat16``, ``float32``, ``float16``, ``half``).
+fields also take the torch spellings (``bfloat16``, ``float32``, ``float16``, ``half``), and
+``auto``: bf16 on CUDA and on CPUs that multiply bfloat16 natively, else fp32
+(:mod:`~specfoundry.train.hardware`; :func:`~specfoundry.train.recipe.resolve` fills it in).
 
 Relative paths inside a recipe (prompt files, evaluation sets, ``output_dir``) are kept as
 written and resolve against the working directory of the run (the repository root under
@@ -61,7 +63,7 @@ def _shape_candidate(v: str) -> str:
 
 
 ShapeCandidate = Annotated[str, AfterValidator(_shape_candidate)]
-Precision = Annotated[Literal["fp32", "bf16", "fp16"], BeforeValidator(_precision_alias)]
+Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], BeforeValidator(_precision_alias)]
 Str = Annotated[str, AfterValidator(_non_empty)]
 
 
@@ -76,8 +78,9 @@ class TargetConfig(_Section):
     # Hub revision (branch, tag or commit) a Hub id is pinned to (None: main); unused otherwise
     revision: Str | None = None
     # dtype the frozen target runs in for data generation, hidden-state capture and evaluation;
-    # labels should come from the dtype you serve in (bf16 and fp32 argmax differ on ~2%)
-    dtype: Precision = "bf16"
+    # labels should come from the dtype you serve in (bf16 and fp32 argmax differ on ~2%); auto:
+    # bf16 where this machine multiplies it natively, else fp32 (emulated bf16 is 4-6x slower batched)
+    dtype: Precision = "auto"
     # target hidden_states indices fed to the speculator; None = the method's default
     # (eagle3: 2, L//2, L-3; eagle/medusa: L, the final normed state); unused by draft
     feature_layers: list[int] | None = None
@@ -311,8 +314,8 @@ class TrainingConfig(_Section):
     log_every: int = Field(10, ge=1)
     # evaluate the held-out loss / acceptance every N steps (0: only at the end)
     eval_every: int = Field(0, ge=0)
-    # fp32, or bf16/fp16 mixed precision (fp16 needs CUDA)
-    precision: Precision = "bf16"
+    # fp32, or bf16/fp16 mixed precision (fp16 needs CUDA); auto: as target.dtype's auto
+    precision: Precision = "auto"
 
 
 class LauncherConfig(_Section):
