@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import cpu_gemv
 from .kvcache import MaskBuffer, StaticKVCache, attend, grouped_attention, padded_mask, rotate
 from .target import TargetModel, TargetOutput
 
@@ -107,7 +108,20 @@ KERNELS = {
     "aten": (lambda w: w, F.linear),
     "gemv_t": (lambda w: w.t().contiguous(), _gemv_t),  # [in, out] rows: one-row products only
     "onednn": (_onednn_pack, _onednn),  # oneDNN's packed (blocked) weight layout
+    # AVX2 few-row products (runtime/cpu_gemv.py): up to cpu_gemv.MAX_ROWS rows, the HF tensor itself
+    "avx2": (lambda w: w.contiguous(), cpu_gemv.gemv),
 }
+
+
+def kernel_for(kernels: tuple[str, str], rows: int) -> str:
+    """The kernel of ``kernels`` (one-row, several-row) for a product of ``rows`` rows: the several-row
+    kernel, except that ``avx2`` (a few-row kernel) hands more than ``cpu_gemv.MAX_ROWS`` rows (prefill,
+    batched generation) to oneDNN where that is prepared, else ATen."""
+    if rows == 1:
+        return kernels[0]
+    if kernels[1] != "avx2" or rows <= cpu_gemv.MAX_ROWS:
+        return kernels[1]
+    return "onednn" if "onednn" in kernels else "aten"
 
 
 class PreparedLinears:
@@ -131,12 +145,12 @@ class PreparedLinears:
     def prepare(self, lins: tuple[torch.nn.Linear, ...]) -> None:
         """Prepare ``lins`` (one linear, or a group :meth:`fused` runs) for both kernels now, so a
         first step does not pay for it (a weight edited later is re-prepared when next used)."""
-        for kernel in set(self.kernels):
+        for kernel in set(self.kernels) | {kernel_for(self.kernels, cpu_gemv.MAX_ROWS + 1)}:
             self._entry(lins, kernel)
 
     def fused(self, lins: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> torch.Tensor:
         """``cat([lin(x) for lin in lins], -1)`` as one product over the concatenated weights."""
-        kernel = self.kernels[0] if x.numel() == x.shape[-1] else self.kernels[1]
+        kernel = kernel_for(self.kernels, x.numel() // x.shape[-1])
         hit = self._entry(lins, kernel)
         return KERNELS[kernel][1](x, hit[0], hit[2])
 
@@ -188,7 +202,7 @@ class LlamaEngine:
         self.layers = [self._fuse(layer) for layer in inner.layers]
         # (one-row kernel, several-row kernel): chosen by measurement on this machine unless given
         self.kernels = self._choose_kernels() if kernels == "auto" else tuple(kernels)
-        for name in set(self.kernels):
+        for name in set(self.kernels) | {kernel_for(self.kernels, cpu_gemv.MAX_ROWS + 1)}:
             if name not in KERNELS:
                 raise ValueError(f"unknown kernel {name!r}; known: {', '.join(KERNELS)}")
             prepare = KERNELS[name][0]
@@ -257,6 +271,8 @@ class LlamaEngine:
             return ("aten", "aten")
         mats = [self.lm_head] + [self.layers[0][k] for k in _MATRICES if k in self.layers[0]]
         candidates = {"aten": mats, "gemv_t": [KERNELS["gemv_t"][0](m) for m in mats]}
+        if cpu_gemv.available() and all(cpu_gemv.supports(m) for m in mats):
+            candidates["avx2"] = mats
         try:
             candidates["onednn"] = [_onednn_pack(m) for m in mats]
             _onednn(torch.zeros(1, mats[0].shape[1], dtype=self.dtype), candidates["onednn"][0])
@@ -333,7 +349,7 @@ class LlamaEngine:
         the one place the contiguous-cache forward and the serving slots' forward differ."""
         B, n = input_ids.shape
         hq, hkv, D = self.hq, self.hkv, self.head_dim
-        kernel = self.kernels[0] if B * n == 1 else self.kernels[1]
+        kernel = kernel_for(self.kernels, B * n)
         lin, sfx = KERNELS[kernel][1], "@" + kernel
         feats, want = [], set(feature_layers)
         x = F.embedding(input_ids.to(self.device), self.embed)
@@ -366,7 +382,7 @@ class LlamaEngine:
             features = torch.stack([by_layer[i] for i in feature_layers], dim=2)
         if logits_for is not None:
             x = x[:, logits_for.to(self.device)]
-        head_kernel = self.kernels[0] if x.shape[0] * x.shape[1] == 1 else self.kernels[1]
+        head_kernel = kernel_for(self.kernels, x.shape[0] * x.shape[1])
         logits = KERNELS[head_kernel][1](x, self.head["lm_head@" + head_kernel])
         return TargetOutput(logits=logits, features=features)
 

@@ -9,6 +9,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from tiny_models import tiny_llama
+from specfoundry.runtime import cpu_gemv
 from specfoundry.runtime import SpeculativeGenerator, load_drafter
 from specfoundry.runtime.engine import KERNELS, EngineTarget, LlamaEngine, MaskBuffer, StaticKVCache, engine_support
 from specfoundry.runtime.models import wrap_target
@@ -51,14 +52,16 @@ def _onednn_available() -> bool:
         return False
 
 
-@pytest.mark.parametrize("kernels", [("aten", "aten"), ("gemv_t", "aten"), ("onednn", "onednn")])
+@pytest.mark.parametrize("kernels", [("aten", "aten"), ("gemv_t", "aten"), ("onednn", "onednn"), ("avx2", "avx2")])
 @pytest.mark.parametrize("arch", ["llama", "llama3-rope", "mistral", "qwen2", "qwen3"])
 def test_engine_matches_hf_logits_and_features(arch, kernels):
     """float64 (exact up to rounding) for the ATen kernels; oneDNN has no float64, so it is
     checked in float32 against HF's float32 forward at a float32 tolerance."""
-    onednn = kernels[0] == "onednn"
-    if onednn and not _onednn_available():
+    onednn = kernels[0] in ("onednn", "avx2")  # float32-only kernels
+    if kernels[0] == "onednn" and not _onednn_available():
         pytest.skip("this torch build has no oneDNN")
+    if kernels[0] == "avx2" and not cpu_gemv.available():
+        pytest.skip(f"the avx2 kernel is unavailable here: {cpu_gemv.unavailable_reason()}")
     model = _model(arch).eval().to(torch.float32 if onednn else torch.float64)
     tol = 2e-5 if onednn else 1e-10
     assert engine_support(model) is None

@@ -1,0 +1,61 @@
+"""The AVX2 few-row kernel (runtime/cpu_gemv.py): equal to F.linear within rounding, the same bits
+for a row whatever else is in the product, and the engine's measured choice may pick it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specfoundry.runtime import cpu_gemv
+
+pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason=f"avx2 kernel unavailable: "
+                                f"{cpu_gemv.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
+def test_gemv_equals_linear(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(72, 40, generator=g).to(dtype)
+    b = torch.randn(72, generator=g).to(dtype)
+    x = torch.randn(2, rows, 40, generator=g).to(dtype)
+    ref = F.linear(x.double(), w.double(), b.double())
+    got = cpu_gemv.gemv(x, w, b)
+    assert got.shape == (2, rows, 72) and got.dtype == dtype
+    # fp32 accumulation, one rounding into the weights' dtype
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    assert (got.double() - ref).abs().max() <= tol * ref.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(dtype):
+    # what makes a verification's logits for a token equal a plain step's (no kernel switch by rows)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(130, 64, generator=g).to(dtype)
+    x = torch.randn(8, 64, generator=g).to(dtype)
+    alone = torch.cat([cpu_gemv.gemv(x[i:i + 1], w) for i in range(8)])
+    for n in (2, 5, 8):
+        assert torch.equal(cpu_gemv.gemv(x[:n], w), alone[:n])
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 if before > 1 else 2)
+    try:
+        other_threads = cpu_gemv.gemv(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(other_threads, alone)
+
+
+def test_gemv_refuses_weights_it_cannot_take():
+    with pytest.raises(ValueError, match="multiple of 8 inputs"):
+        cpu_gemv.gemv(torch.randn(1, 12), torch.randn(4, 12))
+    with pytest.raises(ValueError, match="contiguous CPU bf16/fp32"):
+        cpu_gemv.gemv(torch.randn(1, 16, dtype=torch.float64), torch.randn(4, 16, dtype=torch.float64))
+
+
+def test_engine_routes_rows_past_the_kernel_to_the_bulk_kernel():
+    from specfoundry.runtime.engine import kernel_for
+
+    assert kernel_for(("avx2", "avx2"), 1) == "avx2"
+    assert kernel_for(("avx2", "avx2"), cpu_gemv.MAX_ROWS) == "avx2"
+    assert kernel_for(("avx2", "avx2"), cpu_gemv.MAX_ROWS + 1) == "aten"
+    assert kernel_for(("onednn", "avx2"), 64) == "onednn"
+    assert kernel_for(("gemv_t", "onednn"), 64) == "onednn" and kernel_for(("gemv_t", "onednn"), 1) == "gemv_t"
