@@ -19,7 +19,8 @@ What makes it cheaper than the HF path on a CPU, where per-op overhead and copie
 - grouped-query attention without repeating K/V: the ``g`` query heads that share a KV head are
   stacked as ``g * n`` query rows against that head (for n=1 a small GEMM instead of g GEMVs);
 - linear kernels chosen by measurement on the machine, per one-row and several-row products
-  (:data:`KERNELS`: oneDNN packed weights, transposed weights, ATen), prepared once; the
+  (:data:`KERNELS`: oneDNN packed weights, transposed weights, ATen, and on AVX2 CPUs our own
+  few-row kernel, :mod:`.cpu_gemv`, whose cost is flat over 1-8 rows), prepared once; the
   speculator heads reuse the choice (:class:`PreparedLinears`);
 - the forward returns only the feature layers a speculator asked for (HF numbering: ``i`` = input
   of layer ``i``, ``L`` = the final normed state) and LM-head rows only where asked;
@@ -113,14 +114,17 @@ KERNELS = {
 }
 
 
-def kernel_for(kernels: tuple[str, str], rows: int) -> str:
-    """The kernel of ``kernels`` (one-row, several-row) for a product of ``rows`` rows: the several-row
-    kernel, except that ``avx2`` (a few-row kernel) hands more than ``cpu_gemv.MAX_ROWS`` rows (prefill,
-    batched generation) to oneDNN where that is prepared, else ATen."""
+def kernel_for(kernels: tuple[str, ...], rows: int) -> str:
+    """The kernel of ``kernels`` (one-row, several-row[, many-row]) for a product of ``rows`` rows: the
+    several-row kernel, except that ``avx2`` (a few-row kernel) hands more than ``cpu_gemv.MAX_ROWS``
+    rows (prefill, batched generation, large trees) to the many-row kernel: the third entry (the
+    engine's choice at 32 rows), else oneDNN where that is prepared, else ATen."""
     if rows == 1:
         return kernels[0]
     if kernels[1] != "avx2" or rows <= cpu_gemv.MAX_ROWS:
         return kernels[1]
+    if len(kernels) > 2:
+        return kernels[2]
     return "onednn" if "onednn" in kernels else "aten"
 
 
@@ -258,8 +262,9 @@ class LlamaEngine:
         return self.layers + [self.head]
 
     @torch.inference_mode()
-    def _choose_kernels(self, reps: int = 3) -> tuple[str, str]:
-        """The fastest kernel for one-row (plain steps) and for 4-row products (verification).
+    def _choose_kernels(self, reps: int = 3) -> tuple[str, ...]:
+        """The fastest kernel for one-row (plain steps) and for 4-row products (verification), and
+        when that is the few-row ``avx2`` kernel, the fastest at 32 rows for more rows than it takes.
 
         Measured once on the LM head and the first layer's matrices (best of ``reps``). On the
         CPUs measured here (AMD EPYC, MKL + oneDNN in the torch wheel) oneDNN's packed weights run
@@ -285,8 +290,14 @@ class LlamaEngine:
             return best_seconds(lambda: [apply(x, p) for x, p in zip(xs, candidates[name])], reps)
 
         one = min(candidates, key=lambda k: cost(k, 1))
-        several = min((k for k in candidates if k != "gemv_t"), key=lambda k: cost(k, 4))
-        return (one, several)
+        costs = {k: cost(k, 4) for k in candidates if k != "gemv_t"}
+        several = min(costs, key=costs.get)
+        if several != "avx2":
+            return (one, several)
+        # products of more rows than avx2 takes in one pass (prefill, batched generation, big trees):
+        # the fastest at 32 rows, avx2 included (it then runs them MAX_ROWS at a time; with ATen's
+        # emulated bf16 as the alternative that was 4x faster here)
+        return (one, several, min(costs, key=lambda k: cost(k, 32)))
 
     def new_cache(self, batch: int = 1, capacity: int = 1024) -> StaticKVCache:
         return StaticKVCache(self.num_layers, self.hkv, self.head_dim, batch=batch, capacity=capacity,

@@ -58,4 +58,5 @@ def test_engine_routes_rows_past_the_kernel_to_the_bulk_kernel():
     assert kernel_for(("avx2", "avx2"), cpu_gemv.MAX_ROWS) == "avx2"
     assert kernel_for(("avx2", "avx2"), cpu_gemv.MAX_ROWS + 1) == "aten"
     assert kernel_for(("onednn", "avx2"), 64) == "onednn"
+    assert kernel_for(("gemv_t", "avx2", "onednn"), 9) == "onednn" and kernel_for(("gemv_t", "avx2", "aten"), 9) == "aten"
     assert kernel_for(("gemv_t", "onednn"), 64) == "onednn" and kernel_for(("gemv_t", "onednn"), 1) == "gemv_t"
