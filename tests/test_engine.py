@@ -330,33 +330,42 @@ def test_fused_linears_equal_separate_ones_and_follow_bias_edits(rows):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_engine_matches_hf_on_smollm2(smollm2, dtype):
     """Prefill, a tree verification and a step after an in-place commit, engine vs the HF path on
-    the same weights. fp32: 1e-4 of the logit scale (measured 3e-6); bf16: the kernels may differ
-    from HF's (oneDNN vs ATen), so within 2e-2 of the scale and the same argmax on >= 97% of
-    positions (measured here: bitwise equal, both go through oneDNN)."""
+    the same weights. fp32: within 1e-4 of the logit scale (measured 3e-6). bf16: the engine's kernels
+    may round differently from HF's (oneDNN, ATen or the avx2 kernel), so both are judged against the
+    float32 model: the engine's error at most 1.5x HF's own bf16 error (+1e-3 of the scale) and its
+    argmax agreement with float32 within 3 points of HF's (measured on an AVX2-only EPYC: max error
+    0.040 vs HF 0.032 of the scale on the prefill logits, the same argmax agreement)."""
     from specfoundry.runtime import load_target
 
     t = smollm2 if dtype == torch.float32 else load_target("smollm2-135m", dtype=dtype)
     assert isinstance(t, EngineTarget)
+    ref32 = TargetModel(smollm2.model, smollm2.tokenizer)  # the float32 HF forward
     hf = TargetModel(t.model, t.tokenizer)
     ids = torch.tensor([t.encode_chat([{"role": "user", "content": "Write a poem about the sea and explain its meter."}])])
     parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 3]])
     toks = torch.randint(0, t.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     outs = []
-    for tg in (hf, t):
+    for tg in (ref32, hf, t):
         c = tg.new_cache()
         a = tg.forward(ids, c, feature_layers=(2, 15, 27))
         c.commit()
         b = tg.forward(toks, c, position_ids=c.length + tree_depths(parents), tree_mask=ancestor_matrix(parents))
         c.commit(torch.tensor([0, 1, 3]))
         s = tg.forward(toks[:, :1], c)
-        outs.append((a.logits, b.logits, s.logits, a.features))
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    for x, y in zip(*outs):
-        x, y = x.float(), y.float()
-        assert (x - y).abs().max() <= tol * x.abs().max()
-    for x, y in zip(outs[0][:3], outs[1][:3]):
-        agree = (x.argmax(-1) == y.argmax(-1)).float().mean()
-        assert agree >= (1.0 if dtype == torch.float32 else 0.97)
+        outs.append([v.float() for v in (a.logits, b.logits, s.logits, a.features)])
+    ref, hf_out, eng = outs
+    if dtype == torch.float32:
+        for x, y in zip(hf_out, eng):
+            assert (x - y).abs().max() <= 1e-4 * x.abs().max()
+        for x, y in zip(hf_out[:3], eng[:3]):
+            assert bool((x.argmax(-1) == y.argmax(-1)).all())
+        return
+    for r, x, y in zip(ref, hf_out, eng):
+        scale = r.abs().max()
+        assert (y - r).abs().max() <= 1.5 * (x - r).abs().max() + 1e-3 * scale
+    for r, x, y in zip(ref[:3], hf_out[:3], eng[:3]):
+        hf_agree = (r.argmax(-1) == x.argmax(-1)).float().mean()
+        assert (r.argmax(-1) == y.argmax(-1)).float().mean() >= hf_agree - 0.03
 
 
 def test_cost_curve_is_measured_once_per_thread_count():
