@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from .paths import cache_dir
+
 __all__ = ["MAX_ROWS", "available", "gemv", "unavailable_reason"]
 
 MAX_ROWS = 8  # rows handled in one pass over the weights (accumulators held in registers)
@@ -89,8 +91,6 @@ def _cpu_flags() -> set[str]:
 
 
 def _cache_dir() -> Path:
-    from .models import cache_dir
-
     return cache_dir() / "kernels" / hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
 
 

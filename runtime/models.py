@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .atomic import atomic_dir
+from .paths import cache_dir  # (models.cache_dir() stays the public name)
 from .target import TargetModel
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -29,10 +30,6 @@ _BUILTIN = {
         "hf_id": "HuggingFaceTB/SmolLM2-135M-Instruct",
     },
 }
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECFOUNDRY_CACHE", Path.home() / ".cache" / "specfoundry"))
 
 
 def builtin_targets() -> list[str]:
