@@ -128,6 +128,11 @@ def kernel_for(kernels: tuple[str, ...], rows: int) -> str:
     return "onednn" if "onednn" in kernels else "aten"
 
 
+def kernels_used(kernels: tuple[str, ...]) -> set[str]:
+    """Every kernel :func:`kernel_for` can pick from ``kernels`` (what to prepare weights for)."""
+    return set(kernels) | {kernel_for(kernels, cpu_gemv.MAX_ROWS + 1)}
+
+
 class PreparedLinears:
     """Runs ``nn.Linear`` modules through the engine's kernels (one-row / several-row choice),
     keeping a kernel-prepared copy of each weight that is remade when the weight changes
@@ -149,7 +154,7 @@ class PreparedLinears:
     def prepare(self, lins: tuple[torch.nn.Linear, ...]) -> None:
         """Prepare ``lins`` (one linear, or a group :meth:`fused` runs) for both kernels now, so a
         first step does not pay for it (a weight edited later is re-prepared when next used)."""
-        for kernel in set(self.kernels) | {kernel_for(self.kernels, cpu_gemv.MAX_ROWS + 1)}:
+        for kernel in kernels_used(self.kernels):
             self._entry(lins, kernel)
 
     def fused(self, lins: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> torch.Tensor:
@@ -206,7 +211,7 @@ class LlamaEngine:
         self.layers = [self._fuse(layer) for layer in inner.layers]
         # (one-row kernel, several-row kernel): chosen by measurement on this machine unless given
         self.kernels = self._choose_kernels() if kernels == "auto" else tuple(kernels)
-        for name in set(self.kernels) | {kernel_for(self.kernels, cpu_gemv.MAX_ROWS + 1)}:
+        for name in kernels_used(self.kernels):
             if name not in KERNELS:
                 raise ValueError(f"unknown kernel {name!r}; known: {', '.join(KERNELS)}")
             prepare = KERNELS[name][0]

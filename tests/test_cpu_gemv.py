@@ -60,3 +60,30 @@ def test_engine_routes_rows_past_the_kernel_to_the_bulk_kernel():
     assert kernel_for(("onednn", "avx2"), 64) == "onednn"
     assert kernel_for(("gemv_t", "avx2", "onednn"), 9) == "onednn" and kernel_for(("gemv_t", "avx2", "aten"), 9) == "aten"
     assert kernel_for(("gemv_t", "onednn"), 64) == "onednn" and kernel_for(("gemv_t", "onednn"), 1) == "gemv_t"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_speculative_greedy_equals_plain_on_the_avx2_kernel(dtype):
+    # the kernel forced for every row count (chains/trees verify through it, prefill in passes of 8):
+    # speculative greedy output must be the plain greedy output token for token
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specfoundry.runtime import SpeculativeGenerator, load_drafter
+    from specfoundry.runtime.engine import EngineTarget, LlamaEngine
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg).eval().to(dtype)
+    target = EngineTarget(model)
+    target.engine = LlamaEngine(model, kernels=("avx2", "avx2", "avx2"))
+    g = torch.Generator().manual_seed(3)
+    for source, opts in (("ngram", {}), ("eagle3", {"tree": "chain", "depth": 3}), ("eagle3", {"depth": 3})):
+        gen = SpeculativeGenerator(target, load_drafter(source, target=target, **opts), adaptive=False)
+        for _ in range(3):
+            base = torch.randint(0, 96, (6,), generator=g).tolist()
+            prompt = base * 3  # repeats give the n-gram drafter matches
+            kw = dict(prompt_ids=prompt, max_new_tokens=24, stop_at_eos=False)
+            spec, plain = gen.generate(**kw), gen.generate(speculate=False, **kw)
+            assert spec.token_ids == plain.token_ids, (source, opts)
+            assert spec.stats.target_forwards <= plain.stats.target_forwards
