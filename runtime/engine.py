@@ -39,8 +39,8 @@ from . import cpu_gemv
 from .kvcache import MaskBuffer, StaticKVCache, attend, grouped_attention, padded_mask, rotate
 from .target import TargetModel, TargetOutput
 
-__all__ = ["KERNELS", "EngineTarget", "LlamaEngine", "MaskBuffer", "PreparedLinears", "StaticKVCache", "attend",
-           "engine_support", "grouped_attention", "padded_mask", "rotate"]
+__all__ = ["KERNELS", "EngineTarget", "LlamaEngine", "MaskBuffer", "PreparedLinears", "RopeTable", "StaticKVCache",
+           "attend", "engine_support", "grouped_attention", "padded_mask", "rms_norm", "rotate"]
 
 _MATRICES = ("wqkv", "wo", "w_gu", "w_down", "lm_head")
 _ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -70,6 +70,40 @@ def engine_support(model) -> str | None:
     if getattr(attn.o_proj, "bias", None) is not None:
         return "o_proj has a bias"
     return None
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's ``LlamaRMSNorm`` (statistics in float32, the scale applied after casting back) in one
+    fused op where the dtype allows: the engine's and the drafting heads' one norm."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    if x.dtype == torch.float64:  # tests: HF's exact op order (its float32 round trip included)
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+class RopeTable:
+    """cos/sin ``[B, n, 1, D]`` at given positions, looked up in tables that a HF rotary module
+    computes once (so every static RoPE variant and its scaling match HF exactly: each entry is
+    the same outer-product element HF computes per step); grown by doubling, remade for another
+    dtype or device."""
+
+    def __init__(self, rotary):
+        self.rotary = rotary
+        self._key, self._len = None, 0
+
+    def __call__(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``like``: a tensor of the dtype and device the tables are for (the rotary module's input)."""
+        need = int(positions.max()) + 1
+        key = (like.dtype, like.device)
+        if need > self._len or key != self._key:
+            size = max(need, 2 * self._len if key == self._key else 0, 1024)
+            pos = torch.arange(size, device=like.device).view(1, -1)
+            with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable outside inference mode
+                cos, sin = self.rotary(like.detach().reshape(-1)[:1].view(1, 1, 1), pos)
+            self._cos, self._sin, self._len, self._key = cos[0], sin[0], size, key
+        return self._cos[positions].unsqueeze(2), self._sin[positions].unsqueeze(2)
 
 
 def best_seconds(fn, reps: int, device: torch.device | None = None, warm: bool = True) -> float:
@@ -219,7 +253,7 @@ class LlamaEngine:
                 for key in _MATRICES:
                     if key in w:
                         w[f"{key}@{name}"] = prepare(w[key])
-        self._rope_len = 0
+        self._rope = RopeTable(self.rotary)
         self.masks = MaskBuffer(self.groups, self.device)
         self.version = self.weights_version()
 
@@ -310,25 +344,12 @@ class LlamaEngine:
 
     # -- preallocated tables -------------------------------------------------------------
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[B, n, 1, D]`` at ``positions``, from tables built by the model's own rotary
-        module (so every static RoPE variant and its scaling match HF exactly)."""
-        need = int(positions.max()) + 1
-        if need > self._rope_len:
-            size = max(need, 2 * self._rope_len, 1024)
-            pos = torch.arange(size, device=self.device).view(1, -1)
-            cos, sin = self.rotary(self.embed[:1].view(1, 1, -1), pos)
-            self._cos, self._sin, self._rope_len = cos[0], sin[0], size
-        return self._cos[positions].unsqueeze(2), self._sin[positions].unsqueeze(2)
+        """cos/sin ``[B, n, 1, D]`` at ``positions`` (see :class:`RopeTable`)."""
+        return self._rope(positions, self.embed)
 
     # -- the forward ---------------------------------------------------------------------
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # HF's RMSNorm: statistics in float32, scale applied after casting back
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
-        if x.dtype == torch.float64:  # tests: HF's exact op order (its float32 round trip included)
-            xf = x.float()
-            return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return w * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        return rms_norm(x, w, self.eps)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: StaticKVCache, position_ids: torch.Tensor,

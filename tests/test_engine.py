@@ -11,7 +11,8 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 from tiny_models import tiny_llama
 from specfoundry.runtime import cpu_gemv
 from specfoundry.runtime import SpeculativeGenerator, load_drafter
-from specfoundry.runtime.engine import KERNELS, EngineTarget, LlamaEngine, MaskBuffer, StaticKVCache, engine_support
+from specfoundry.runtime.engine import (KERNELS, EngineTarget, LlamaEngine, MaskBuffer, RopeTable, StaticKVCache,
+                                        engine_support, rms_norm)
 from specfoundry.runtime.models import wrap_target
 from specfoundry.runtime.target import TargetModel
 from specfoundry.runtime.tree import ancestor_matrix, path_to, tree_depths
@@ -237,6 +238,30 @@ def test_static_cache_rejects_a_batch_mismatch_and_grows():
     assert cache.batch == 2 and cache.capacity >= 4 and cache.length == 4
     with pytest.raises(ValueError, match="batch"):
         t.forward(torch.tensor([[1, 2]]), cache)
+
+
+def test_rope_table_equals_the_rotary_module_per_call():
+    """Table lookups are the rotary module's own per-step values, bit for bit, past the first
+    table size (regrowth) and after a dtype change (remade); rms_norm is HF's LlamaRMSNorm."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+    rot = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=4096))
+    table = RopeTable(rot)
+    for dtype, pos in ((torch.float32, [[0, 5, 1023]]), (torch.float32, [[1024, 3000, 7]]),
+                       (torch.bfloat16, [[2, 2500]]), (torch.float64, [[9, 4]])):
+        like = torch.zeros(1, 1, 64, dtype=dtype)
+        positions = torch.tensor(pos)
+        cos, sin = table(positions, like)
+        ref_cos, ref_sin = rot(like, positions)
+        assert cos.dtype == dtype and cos.shape == (1, len(pos[0]), 1, 16)
+        assert torch.equal(cos[:, :, 0], ref_cos) and torch.equal(sin[:, :, 0], ref_sin)
+    norm = LlamaRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 64) * 100
+    for dtype, tol in ((torch.float64, 0), (torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        torch.testing.assert_close(rms_norm(x.to(dtype), norm.weight.to(dtype), 1e-5), norm.to(dtype)(x.to(dtype)),
+                                   rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])

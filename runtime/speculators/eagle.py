@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from ..engine import MaskBuffer, PreparedLinears, StaticKVCache, attend, grouped_attention, rotate
+from ..engine import MaskBuffer, PreparedLinears, RopeTable, StaticKVCache, attend, grouped_attention, rms_norm, rotate
 from ..target import additive_mask
 from .vocab import set_draft_vocab
 from .eagle_layers import (
@@ -67,6 +67,7 @@ class _EagleBase(nn.Module):
         self.architecture = copy.deepcopy(dict(architecture))
         self.config = layer_config(self.architecture)
         self.rotary_emb = LlamaRotaryEmbedding(self.config)  # inv_freq is a non-persistent buffer
+        self._rope = RopeTable(self.rotary_emb)  # the drafting step's cos/sin, computed once per position
         self._inv_freq32 = self.rotary_emb.inv_freq.detach().clone().float()  # plain attribute, see _apply
         # a plain dict keeps the target's modules out of parameters(), state_dict() and .to()
         self._shared = {"embed_tokens": embed_tokens}
@@ -214,6 +215,13 @@ class _EagleBase(nn.Module):
         run = self.__dict__.get("_linears")
         return lin(x) if run is None or torch.is_grad_enabled() else run(lin, x)
 
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``norm(x)`` (a ``LlamaRMSNorm``); outside autograd as the engine's one fused op (HF's
+        module runs ~8 ops, and a drafting step has up to 7 norms)."""
+        if torch.is_grad_enabled():
+            return norm(x)
+        return rms_norm(x, norm.weight, norm.variance_epsilon)
+
     def _lins(self, lins: tuple[nn.Linear, ...], x: torch.Tensor) -> list[torch.Tensor]:
         """``[lin(x) for lin in lins]``; on the engine's kernels as one product (fused weights)."""
         run = self.__dict__.get("_linears")
@@ -313,11 +321,10 @@ class _EagleBase(nn.Module):
         q = q.reshape(B, n, a["num_attention_heads"], a["head_dim"])
         k = k.reshape(B, n, a["num_key_value_heads"], a["head_dim"])
         v = v.reshape(B, n, a["num_key_value_heads"], a["head_dim"])
-        cos, sin = self.rotary_emb(hidden, position_ids.to(dev))
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        cos, sin = self._rope(position_ids.to(dev), hidden)
         o = attention(rotate(q, cos, sin), rotate(k, cos, sin), v)
         h = residual + lin(attn.o_proj, o)
-        mlp, x = layer.mlp, layer.post_attention_layernorm(h)
+        mlp, x = layer.mlp, self._norm(layer.post_attention_layernorm, h)
         gate, up = self._lins((mlp.gate_proj, mlp.up_proj), x)
         return h + lin(mlp.down_proj, mlp.act_fn(gate) * up)
 
@@ -485,7 +492,7 @@ class Eagle3Head(_EagleBase):
         if features.shape[2] != len(self.feature_norms):
             raise ValueError(f"expected {len(self.feature_norms)} feature layers, got {features.shape[2]}")
         # normalise each layer first: raw target activations reach ~2.5e4
-        parts = [norm(features[:, :, i]) for i, norm in enumerate(self.feature_norms)]
+        parts = [self._norm(norm, features[:, :, i]) for i, norm in enumerate(self.feature_norms)]
         return self._lin(self.fc, torch.cat(parts, dim=-1))
 
     def _decode(self, input_ids, hidden, **kw):
@@ -493,10 +500,11 @@ class Eagle3Head(_EagleBase):
 
     def _step_inputs(self, input_ids, hidden):
         layer = self.layer
-        return torch.cat([layer.input_layernorm(self._embed(input_ids)), layer.hidden_norm(hidden)], dim=-1), hidden
+        return torch.cat([self._norm(layer.input_layernorm, self._embed(input_ids)), self._norm(layer.hidden_norm, hidden)],
+                         dim=-1), hidden
 
     def compute_logits(self, hidden):
-        return self._lin(self.lm_head, self.norm(hidden.to(self.device, self.dtype)))
+        return self._lin(self.lm_head, self._norm(self.norm, hidden.to(self.device, self.dtype)))
 
     @classmethod
     def build(cls, architecture, target):
