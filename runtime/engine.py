@@ -24,7 +24,7 @@ What makes it cheaper than the HF path on a CPU, where per-op overhead and copie
   speculator heads reuse the choice (:class:`PreparedLinears`);
 - the forward returns only the feature layers a speculator asked for (HF numbering: ``i`` = input
   of layer ``i``, ``L`` = the final normed state) and LM-head rows only where asked;
-- left-padded batches (``valid``) for batched data generation, rows dropped as they finish.
+- batched data generation runs on the serving slots (:mod:`.serving.slots`: continuous batching).
 
 The cache, its masks and the attention over it live in :mod:`.kvcache` (re-exported here); this
 module holds the weights, the kernels and the forward.
@@ -36,11 +36,11 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_gemv
-from .kvcache import MaskBuffer, StaticKVCache, attend, grouped_attention, padded_mask, rotate
+from .kvcache import MaskBuffer, StaticKVCache, attend, grouped_attention, rotate
 from .target import TargetModel, TargetOutput
 
 __all__ = ["KERNELS", "EngineTarget", "LlamaEngine", "MaskBuffer", "PreparedLinears", "RopeTable", "StaticKVCache",
-           "attend", "engine_support", "grouped_attention", "padded_mask", "rms_norm", "rotate"]
+           "attend", "engine_support", "grouped_attention", "rms_norm", "rotate"]
 
 _MATRICES = ("wqkv", "wo", "w_gu", "w_down", "lm_head")
 _ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -354,9 +354,8 @@ class LlamaEngine:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: StaticKVCache, position_ids: torch.Tensor,
                 tree_mask: torch.Tensor | None = None, feature_layers: tuple[int, ...] = (),
-                logits_for: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> TargetOutput:
-        """Same contract as :meth:`TargetModel.forward` (``position_ids`` required). ``valid``
-        (bool ``[B, past+n]``, False at left padding) is for batched generation of unequal prompts."""
+                logits_for: torch.Tensor | None = None) -> TargetOutput:
+        """Same contract as :meth:`TargetModel.forward` (``position_ids`` required)."""
         cache.check_ready()
         B, n = input_ids.shape
         if B != cache.batch:
@@ -366,15 +365,11 @@ class LlamaEngine:
         cache.reserve(n)
         past = cache.length
         cos, sin = self.rope(position_ids.to(self.device))
-        if valid is None:
-            mask = self.masks.get(tree_mask, B, n, past)
-        else:
-            mask = padded_mask(valid.to(self.device), tree_mask, n, past, self.groups)
+        mask = self.masks.get(tree_mask, B, n, past)
         kv = cache.kv
         x, feats = self.run_layers(input_ids, cos, sin,
                                    lambda i, q, k, v: attend(kv[i], q, k, v, past, mask, self.scale), feature_layers)
-        if valid is None:
-            self.masks.release(mask, n if tree_mask is None else tree_mask.shape[-1])
+        self.masks.release(mask, n if tree_mask is None else tree_mask.shape[-1])
         cache.mark_appended(n)
         return self.finish(x, feats, feature_layers, logits_for)
 

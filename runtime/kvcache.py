@@ -1,8 +1,7 @@
 """The static KV cache and attention over it: what a decode step writes and reads.
 
 Scope: :class:`StaticKVCache` (preallocated ``[layers, 2, batch, kv_heads, capacity, head_dim]``,
-in-place commit of accepted tree nodes), the attention mask buffers (:class:`MaskBuffer`,
-:func:`padded_mask`), RoPE application and grouped-query attention over cache slices. Used by the
+in-place commit of accepted tree nodes), the attention mask buffer (:class:`MaskBuffer`), RoPE application and grouped-query attention over cache slices. Used by the
 target engine (:mod:`.engine`), the EAGLE heads' drafting steps, the serving slots and the
 CUDA-graph step.
 """
@@ -12,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MaskBuffer", "StaticKVCache", "attend", "grouped_attention", "padded_mask", "rotate"]
+__all__ = ["MaskBuffer", "StaticKVCache", "attend", "grouped_attention", "rotate"]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -83,21 +82,6 @@ class MaskBuffer:
             mask[..., mask.shape[-1] - k:] = True
 
 
-def padded_mask(valid: torch.Tensor, block: torch.Tensor | None, n: int, past: int, groups: int) -> torch.Tensor:
-    """Bool ``[B, 1, g*n, past+n]`` for left-padded batches: column ``j`` is visible where
-    ``valid[b, j]`` (a real token) and, over the last ``k`` columns, where ``block`` allows (None =
-    causal among the ``n`` new tokens). Every query also sees itself, so a padding position never
-    has a fully masked row (whose NaN would reach the cache)."""
-    B, cols = valid.shape
-    if block is None:
-        block = torch.ones(n, n, dtype=torch.bool, device=valid.device).tril()
-    k = block.shape[-1]
-    m = valid[:, None, :].expand(B, n, cols).clone()
-    m[:, :, cols - k:] &= block.to(valid.device).expand(B, n, k)
-    m[:, :, past:] |= torch.eye(n, dtype=torch.bool, device=valid.device)
-    return m.repeat(1, groups, 1).unsqueeze(1)
-
-
 class StaticKVCache:
     """Preallocated KV ``[layers, 2, batch, kv_heads, capacity, head_dim]`` for ``batch``
     sequences of equal committed length.
@@ -118,13 +102,6 @@ class StaticKVCache:
     @torch.inference_mode()
     def _empty(self, capacity: int, dtype, device) -> torch.Tensor:
         return torch.zeros(*self.shape[:4], capacity, self.shape[5], dtype=dtype, device=device)
-
-    @torch.inference_mode()
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep the sequences ``rows`` (e.g. drop finished ones from a batch): one copy of them."""
-        self.kv = self.kv[:, :, rows.to(self.kv.device)].contiguous()
-        self.batch = self.kv.shape[2]
-        self.shape = (*self.shape[:2], self.batch, *self.shape[3:])
 
     def rebatch(self, batch: int) -> None:
         """Reallocate an empty cache for ``batch`` sequences."""

@@ -135,12 +135,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return _inverse_cdf(flat, generator).reshape(probs.shape[:-1])
 
 
-def sample_batch(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+def sample_batch(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                 uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """Next tokens ``[B]`` from ``logits`` ``[B, V]`` (float32), drawn from the distribution of
     :func:`probs_from_logits` with ``params`` (greedy params: the argmax).
 
     For batched generation over a full vocabulary (no full sort unless a row's nucleus needs
-    it). ``logits`` is not modified.
+    it). ``logits`` is not modified. ``uniforms`` ``[B]`` in [0, 1): each row's one uniform draw,
+    given by the caller (per-row random streams make a row's tokens independent of its batch);
+    None draws them from ``generator``.
     """
     if params.greedy:
         return logits.argmax(-1)
@@ -151,18 +154,24 @@ def sample_batch(logits: torch.Tensor, params: SamplingParams, generator: torch.
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if top_p is None or top_p >= 1.0:
-        return _inverse_cdf(probs, generator)
+        return _inverse_cdf(probs, generator, uniforms)
     # nucleus sampling from each row's top candidates, without a full-vocabulary sort
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     for rows, keep, index in _nucleus_parts(probs, top_p):
-        out[rows] = index.gather(-1, _inverse_cdf(keep, generator)[:, None]).squeeze(-1)
+        u = None if uniforms is None else uniforms[rows]
+        out[rows] = index.gather(-1, _inverse_cdf(keep, generator, u)[:, None]).squeeze(-1)
     return out
 
 
-def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None,
+                 uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """One sample per row of non-negative ``weights`` ``[B, K]`` (need not sum to 1), by one
-    uniform draw per row against the running sum: ``torch.multinomial`` over a 49k vocabulary
-    at batch 48 took ~65 ms per step on one CPU thread, this takes a few."""
+    uniform draw per row (``uniforms`` ``[B]``, else from ``generator``) against the running sum:
+    ``torch.multinomial`` over a 49k vocabulary at batch 48 took ~65 ms per step on one CPU
+    thread, this takes a few."""
     cdf = weights.cumsum(-1)
-    u = torch.rand(weights.shape[0], 1, generator=generator, device=weights.device, dtype=cdf.dtype) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=weights.shape[-1] - 1).squeeze(-1)
+    if uniforms is None:
+        u = torch.rand(weights.shape[0], 1, generator=generator, device=weights.device, dtype=cdf.dtype)
+    else:
+        u = uniforms.to(weights.device, cdf.dtype).view(-1, 1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=weights.shape[-1] - 1).squeeze(-1)

@@ -46,10 +46,18 @@ def test_data_sampler_draws_from_the_runtime_sampling_distribution():
     for temperature, top_k, top_p in ((0.7, 0, 1.0), (1.0, 3, 1.0), (0.9, 0, 0.8), (1.3, 5, 0.9)):
         params = SamplingParams(temperature, top_k or None, top_p)
         want = probs_from_logits(row.double(), params)
-        draws = sample_batch(row.expand(20000, 7), params, g)
-        freq = torch.bincount(draws, minlength=7).double() / draws.numel()
-        assert torch.allclose(freq, want, atol=0.015), (temperature, top_k, top_p)
-        assert not bool(freq[want == 0].any())
+        for uniforms in (None, torch.rand(20000, generator=g, dtype=torch.float64)):  # caller-given draws too
+            draws = sample_batch(row.expand(20000, 7), params, g, uniforms)
+            freq = torch.bincount(draws, minlength=7).double() / draws.numel()
+            assert torch.allclose(freq, want, atol=0.015), (temperature, top_k, top_p, uniforms is None)
+            assert not bool(freq[want == 0].any())
+    # given uniforms decide the draw: the same ones, the same tokens, whatever the generator
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    logits = torch.randn(64, 300, generator=g) * 3
+    for params in (SamplingParams(1.0, None, 1.0), SamplingParams(0.8, 20, 0.9)):
+        a = sample_batch(logits, params, torch.Generator().manual_seed(5), u)
+        assert torch.equal(a, sample_batch(logits, params, torch.Generator().manual_seed(6), u))
+        assert torch.equal(a[10:20], sample_batch(logits[10:20], params, None, u[10:20]))  # a row's draw is its own
 
 
 def _sorted_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

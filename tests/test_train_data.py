@@ -469,16 +469,24 @@ def test_dataset_hash_is_one_pass_per_dataset_object():
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_batched_generation_on_the_engine_equals_the_hf_path(temperature):
-    """Left-padded batches of unequal prompts, rows finishing at different steps (dropped from the
-    static cache), greedy and sampled with one seed: the engine's tokens equal the HF path's."""
+    """Unequal prompts, rows finishing at different steps, greedy and sampled with one seed: the
+    engine's continuous batching (a finished prompt's slot refilled by the next, prefilled in the
+    decode rows' forward) gives the tokens of the HF path's static left-padded batch, with any
+    number of slots: each prompt draws from its own random stream."""
     from tiny_models import tiny_llama
     from specfoundry.runtime.engine import LlamaEngine
     from specfoundry.train.data import generate_batched
 
     hf = tiny_llama(0, backend="hf").model
-    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42], [9, 9, 9, 9, 9], [8, 1]]
-    kw = dict(max_new_tokens=14, stop_ids=[31], batch_size=5, temperature=temperature, top_p=0.9, seed=3)
-    ref, ref_fin = generate_batched(hf, prompts, **kw)
-    got, fin = generate_batched(LlamaEngine(hf), prompts, **kw)
-    assert got == ref and fin == ref_fin
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42], [9, 9, 9, 9, 9], [8, 1], [3, 3], [17, 4, 60, 2]]
+    kw = dict(max_new_tokens=14, stop_ids=[31], temperature=temperature, top_p=0.9, seed=3, min_new_tokens=2)
+    ref, ref_fin = generate_batched(hf, prompts, batch_size=len(prompts), **kw)
+    engine = LlamaEngine(hf)
+    for slots in (1, 2, 3, len(prompts)):
+        got, fin = generate_batched(engine, prompts, batch_size=slots, **kw)
+        assert got == ref and fin == ref_fin, slots
     assert any(fin) and not all(fin), "the test needs rows that stop early and rows that do not"
+    assert all(len(g) >= 2 for g in ref), "min_new_tokens holds the stop tokens back"
+    assert len({len(g) for g in ref}) > 2, "rows must finish at different steps (slots are refilled mid-run)"
+    if temperature > 0:  # another seed draws other tokens (the streams are really used)
+        assert generate_batched(engine, prompts, batch_size=3, **{**kw, "seed": 4})[0] != ref

@@ -7,11 +7,13 @@ Scope:
   user-turn prefix Magpie feeds the model, and the tokens that end a turn — through the runtime's
   one chat encoder (:mod:`specfoundry.runtime.chat`: content is encoded as text). Targets without
   a tokenizer (tiny test models) get a fixed toy template over raw ids.
-- :func:`generate_batched`: batched generation with a frozen target (left padding, finished
-  rows dropped from the batch, greedy or temperature/top-k/top-p sampling) on the runtime's
-  engine (:class:`~specfoundry.runtime.engine.LlamaEngine`: static cache, padding masked per row)
-  where the target decodes on it, else the HF model. Tokens are drawn by the runtime's batched
-  sampler (:func:`specfoundry.runtime.sampling.sample_batch`: the distribution of
+- :func:`generate_batched`: batched generation with a frozen target (greedy or
+  temperature/top-k/top-p sampling, each prompt drawing from its own random stream): on the
+  runtime's engine with continuous batching in the serving slots
+  (:mod:`specfoundry.runtime.serving.slots`: a finished prompt's slot goes to the next prompt,
+  prefilled in the same forward) where the target decodes on it, else static left-padded batches
+  on the HF model. Tokens are drawn by the runtime's batched sampler
+  (:func:`specfoundry.runtime.sampling.sample_batch`: the distribution of
   :func:`~specfoundry.runtime.sampling.probs_from_logits` without a full-vocabulary sort per step).
 - :func:`self_distill`: the target answers every prompt; results are cached chunk by chunk
   (:func:`~specfoundry.train.datacache.cached_chunks`), so a killed run resumes.
@@ -195,15 +197,34 @@ def _device(model) -> torch.device:
     return model.device if isinstance(model, LlamaEngine) else next(model.parameters()).device
 
 
+def row_streams(seed: int, count: int) -> list[torch.Generator]:
+    """One random stream per prompt (prompt ``i`` of a call seeded ``seed``): a prompt's sampled
+    tokens depend on its own stream only, never on which batch or slot it ran in."""
+    return [torch.Generator().manual_seed((int(seed) * 1_000_003 + i) % (1 << 63)) for i in range(count)]
+
+
+def _next_tokens(logits: torch.Tensor, params: SamplingParams, streams: list[torch.Generator] | None,
+                 rows: list[int], n_done: list[int], stop: torch.Tensor, min_new_tokens: int) -> torch.Tensor:
+    """One token per row of ``logits`` ``[R, V]``; row ``r`` belongs to prompt ``rows[r]``, which has
+    ``n_done[r]`` tokens so far (its stop tokens are banned until ``min_new_tokens``); sampled rows
+    draw one uniform from their prompt's stream."""
+    logits = logits.float()
+    early = [r for r, n in enumerate(n_done) if n < min_new_tokens]
+    if early and stop.numel():
+        logits[torch.tensor(early, device=logits.device)[:, None], stop[None, :]] = float("-inf")
+    u = None
+    if not params.greedy:
+        u = torch.cat([torch.rand(1, generator=streams[i], dtype=torch.float64) for i in rows])
+    return sample_batch(logits, params, None, u)
+
+
 @torch.no_grad()
-def _generate_one_batch(model, prompts: list[list[int]], *, max_new_tokens: int, params: SamplingParams,
-                        stop_ids: Sequence[int], min_new_tokens: int, pad_id: int,
-                        generator: torch.Generator | None) -> tuple[list[list[int]], list[bool]]:
+def _generate_static(model, prompts: list[list[int]], rows: list[int], *, max_new_tokens: int, params: SamplingParams,
+                     stop: torch.Tensor, min_new_tokens: int, pad_id: int, streams) -> tuple[list[list[int]], list[bool]]:
+    """One left-padded batch on a HF model (``rows``: each prompt's index into ``streams``); rows
+    that finish are dropped from the cache."""
     from transformers import DynamicCache
 
-    from specfoundry.runtime.engine import LlamaEngine
-
-    engine = model if isinstance(model, LlamaEngine) else None
     dev = _device(model)
     B = len(prompts)
     S = max(len(p) for p in prompts)
@@ -214,56 +235,89 @@ def _generate_one_batch(model, prompts: list[list[int]], *, max_new_tokens: int,
         mask[i, S - len(p):] = 1
     ids, mask = ids.to(dev), mask.to(dev)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    stop = torch.tensor(sorted(set(int(s) for s in stop_ids)), dtype=torch.long, device=dev)
-    if engine is not None:
-        # the engine: a static cache written in place, padding masked per row
-        cache = engine.new_cache(batch=B, capacity=S + max_new_tokens)
+    cache = DynamicCache(config=model.config)
 
-        def forward(x, m, p):
-            out = engine.forward(x, cache, p, valid=m.bool(), logits_for=torch.tensor([x.shape[1] - 1]))
-            cache.commit()
-            return out.logits[:, -1].clone()  # a normal tensor: the sampler edits it in place
-    else:
-        cache = DynamicCache(config=model.config)
-
-        def forward(x, m, p):
-            # the LM head on the last position only (over the whole prompt it would cost as much as
-            # several layers), applied to a contiguous [B, H] matrix: HF's logits_to_keep=1 hands it
-            # a strided [B, 1, H] view that CPU bf16 runs as a batched matmul over B copies of the
-            # weight (measured: 2.7 GB copied per batch of 48, ~1.7 s)
-            out = model.model(input_ids=x, attention_mask=m, position_ids=p, cache=cache, use_cache=True)
-            return model.lm_head(out.last_hidden_state[:, -1].contiguous())
+    def forward(x, m, p):
+        # the LM head on the last position only (over the whole prompt it would cost as much as
+        # several layers), applied to a contiguous [B, H] matrix: HF's logits_to_keep=1 hands it
+        # a strided [B, 1, H] view that CPU bf16 runs as a batched matmul over B copies of the
+        # weight (measured: 2.7 GB copied per batch of 48, ~1.7 s)
+        out = model.model(input_ids=x, attention_mask=m, position_ids=p, cache=cache, use_cache=True)
+        return model.lm_head(out.last_hidden_state[:, -1].contiguous())
 
     logits = forward(ids, mask, pos)
     next_pos = pos[:, -1] + 1
-    active = torch.arange(B, device=dev)
+    active = list(range(B))
     gen: list[list[int]] = [[] for _ in range(B)]
     finished = [False] * B
     for step in range(max_new_tokens):
-        logits = logits.float()
-        if step < min_new_tokens and stop.numel():
-            logits[:, stop] = float("-inf")
-        tok = sample_batch(logits, params, generator)
-        tok_list = tok.tolist()
-        for row, t in zip(active.tolist(), tok_list):
+        tok = _next_tokens(logits, params, streams, [rows[a] for a in active], [step] * len(active), stop,
+                           min_new_tokens)
+        for row, t in zip(active, tok.tolist()):
             gen[row].append(t)
         done = torch.isin(tok, stop) if stop.numel() else torch.zeros_like(tok, dtype=torch.bool)
-        for row, d in zip(active.tolist(), done.tolist()):
-            if d:
-                finished[row] = True
+        for row, d in zip(active, done.tolist()):
+            finished[row] = finished[row] or d
         if step == max_new_tokens - 1 or bool(done.all()):
             break
         if bool(done.any()):
             # drop finished rows: later steps only pay for sequences still generating
             keep = (~done).nonzero().squeeze(1)
-            if engine is not None:
-                cache.select_rows(keep)
-            else:
-                cache.batch_select_indices(keep)
-            mask, tok, next_pos, active = mask[keep], tok[keep], next_pos[keep], active[keep]
+            cache.batch_select_indices(keep)
+            mask, tok, next_pos = mask[keep], tok[keep], next_pos[keep]
+            active = [active[k] for k in keep.tolist()]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         logits = forward(tok[:, None], mask, next_pos[:, None])
         next_pos = next_pos + 1
+    return gen, finished
+
+
+@torch.no_grad()
+def _generate_continuous(engine, prompts: list[list[int]], order: list[int], *, slots: int, max_new_tokens: int,
+                         params: SamplingParams, stop: torch.Tensor, min_new_tokens: int, streams,
+                         on_done) -> tuple[list[list[int]], list[bool]]:
+    """Continuous batching on the engine (the serving slots, :mod:`specfoundry.runtime.serving.slots`):
+    up to ``slots`` prompts generate at once, and a prompt that finishes hands its slot to the next
+    one of ``order``, whose prompt is prefilled in the same forward as the decode rows (a static
+    batch instead shrinks as its rows finish: its last steps run a few rows for the cost of many).
+    ``on_done(i, new_tokens)`` is called as prompt ``i`` finishes."""
+    from specfoundry.runtime.serving.slots import SlotCache, forward_mixed
+
+    cache = SlotCache(engine, slots, max(len(p) for p in prompts) + max_new_tokens)
+    queue = list(reversed(order))
+    gen: list[list[int]] = [[] for _ in prompts]
+    finished = [False] * len(prompts)
+    rows: list[int] = []  # prompt index per active slot row
+    one = torch.zeros(1, dtype=torch.long, device=engine.device)
+    while queue or rows:
+        joining = []
+        while queue and len(rows) + len(joining) < slots:
+            i = queue.pop()
+            joining.append((i, engine.new_cache(batch=1, capacity=len(prompts[i]))))
+        B = len(rows)
+        last = torch.tensor([[gen[i][-1]] for i in rows], dtype=torch.long).view(B, 1)
+        pos = torch.tensor([[len(prompts[i]) + len(gen[i]) - 1] for i in rows], dtype=torch.long).view(B, 1)
+        dec, outs = forward_mixed(cache, last, pos, None,
+                                  [(pc, torch.tensor(prompts[i], dtype=torch.long)) for i, pc in joining])
+        if B:
+            cache.commit([one] * B)
+        for i, pc in joining:
+            cache.add(pc)
+            rows.append(i)
+        logits = torch.cat(([dec.logits[:, 0]] if B else []) + [lg[None] for lg, _ in outs])
+        tok = _next_tokens(logits, params, streams, rows, [len(gen[i]) for i in rows], stop, min_new_tokens)
+        done = torch.isin(tok, stop).tolist() if stop.numel() else [False] * len(rows)
+        ended = []
+        for r, (i, t, d) in enumerate(zip(rows, tok.tolist(), done)):
+            gen[i].append(t)
+            finished[i] = d
+            if d or len(gen[i]) >= max_new_tokens:
+                ended.append(r)
+        for r in reversed(ended):  # highest row first: the row moved into r is never one that ended
+            on_done(rows[r], len(gen[rows[r]]))
+            moved = cache.remove(r)
+            rows[r] = rows[moved] if moved is not None else rows[r]
+            rows.pop()
     return gen, finished
 
 
@@ -273,39 +327,50 @@ def generate_batched(model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
                      stats: GenStats | None = None) -> tuple[list[list[int]], list[bool]]:
     """Continue each token-id prompt; returns ``(new_ids, finished)`` in input order.
 
-    ``model``: a :class:`~specfoundry.runtime.engine.LlamaEngine` (see :func:`generation_model`)
-    or a HF causal LM.
+    ``model``: a :class:`~specfoundry.runtime.engine.LlamaEngine` (see :func:`generation_model`),
+    which generates with continuous batching in ``batch_size`` slots, or a HF causal LM (static
+    left-padded batches of ``batch_size``, finished rows dropped).
     ``new_ids[i]`` includes the stop token when one was produced (``finished[i]`` True). Prompts
-    are sorted by length before batching so left padding wastes little; sampling uses one
-    ``torch.Generator`` seeded with ``seed``, so a call is reproducible for the same inputs.
+    are sorted by length so batches and slots waste little; sampling draws prompt ``i``'s tokens
+    from its own stream (:func:`row_streams` of ``seed``), so a call is reproducible for the same
+    inputs and a prompt's tokens do not depend on the batch it ran in (only on the logits, whose
+    low-order bits can).
     ``stats`` (optional) accumulates token counts and time.
     """
     from tqdm.auto import tqdm
+
+    from specfoundry.runtime.engine import LlamaEngine
 
     prompts = [list(map(int, p)) for p in prompts]
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: every prompt needs at least one token")
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
     params = SamplingParams(temperature, top_k or None, top_p)  # top_k 0: no top-k cut
-    g = torch.Generator(device=_device(model)).manual_seed(int(seed)) if temperature > 0 else None
-    results: list[list[int] | None] = [None] * len(prompts)
-    fin: list[bool] = [False] * len(prompts)
+    streams = row_streams(seed, len(prompts)) if temperature > 0 else None
+    stop = torch.tensor(sorted(set(int(s) for s in stop_ids)), dtype=torch.long, device=_device(model))
     local = GenStats()
     bar = tqdm(total=len(prompts), desc=progress if isinstance(progress, str) else "generate", unit="seq",
                disable=not progress, leave=False)
     t0 = time.perf_counter()
-    for b in range(0, len(order), batch_size):
-        idx = order[b:b + batch_size]
-        gen, done = _generate_one_batch(model, [prompts[i] for i in idx], max_new_tokens=max_new_tokens,
-                                        params=params, stop_ids=stop_ids, min_new_tokens=min_new_tokens,
-                                        pad_id=pad_id, generator=g)
-        for i, ids, d in zip(idx, gen, done):
-            results[i], fin[i] = ids, d
-            local.prompt_tokens += len(prompts[i])
-            local.new_tokens += len(ids)
-        local.prompts += len(idx)
-        bar.update(len(idx))
-        bar.set_postfix_str(f"{local.new_tokens / (time.perf_counter() - t0):.0f} new tok/s")
+    kw = dict(max_new_tokens=max_new_tokens, params=params, stop=stop, min_new_tokens=min_new_tokens, streams=streams)
+
+    def done(i: int, n_new: int) -> None:
+        local.prompt_tokens += len(prompts[i])
+        local.new_tokens += n_new
+        local.prompts += 1
+        bar.update(1)
+        bar.set_postfix_str(f"{local.new_tokens / (time.perf_counter() - t0):.0f} new tok/s", refresh=False)
+
+    if isinstance(model, LlamaEngine):
+        results, fin = _generate_continuous(model, prompts, order, slots=batch_size, on_done=done, **kw)
+    else:
+        results, fin = [[] for _ in prompts], [False] * len(prompts)
+        for b in range(0, len(order), batch_size):
+            idx = order[b:b + batch_size]
+            gen, ended = _generate_static(model, [prompts[i] for i in idx], idx, pad_id=pad_id, **kw)
+            for i, ids, d in zip(idx, gen, ended):
+                results[i], fin[i] = ids, d
+                done(i, len(ids))
     bar.close()
     local.seconds = time.perf_counter() - t0
     if stats is not None:
@@ -318,17 +383,18 @@ def generate_batched(model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
 # ---------------------------------------------------------------------------------------------
 
 
-# chunk_size: prompts per cached shard, and the granularity of resume and of the time budget
-# (64 prompts x ~200 tokens is ~40 s at the ~350 tok/s measured with bf16 on 2 idle cores)
+# chunk_size: prompts per cached shard, and the granularity of resume and of the time budget; a
+# few times the batch, so that finished prompts hand their slots to the next ones (continuous
+# batching) for most of a chunk (192 prompts x ~140 tokens: ~40 s at ~700 tok/s, bf16, 2 cores)
 DEFAULT_RESPONSES = {"max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "batch_size": 32,
-                     "dtype": None, "chunk_size": 64, "system": None}
+                     "dtype": None, "chunk_size": 192, "system": None}
 
 
 def responses_key_base(target, cfg: dict, seed: int) -> dict:
     gen_dtype = resolve_dtype(cfg["dtype"]) or target.dtype
     # batch_size is part of the key: batch composition changes padding and hence low-order bits,
     # and a resumed run must reproduce the interrupted one exactly
-    return {"kind": "responses-v1", "target": model_fingerprint(target), "template": ChatFormat(target).template_id(),
+    return {"kind": "responses-v2", "target": model_fingerprint(target), "template": ChatFormat(target).template_id(),
             "dtype": dtype_name(gen_dtype), "seed": seed,
             **{k: cfg[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "batch_size", "system")}}
 

@@ -303,7 +303,7 @@ def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = N
     stop = chat.user_stop_ids
     # everything that changes a round's output is in the key; `count` is not, so asking for more
     # prompts later reuses the rounds already generated
-    key_base = {"kind": "magpie-v1", "target": model_fingerprint(target), "template": chat.template_id(),
+    key_base = {"kind": "magpie-v2", "target": model_fingerprint(target), "template": chat.template_id(),
                 "dtype": dtype_name(gen_dtype),
                 **{k: cfg[k] for k in ("max_prompt_tokens", "min_new_tokens", "temperature", "top_p", "top_k",
                                        "batch_size")}}
