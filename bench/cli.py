@@ -122,7 +122,7 @@ def build_methods(factory, target, target_source: str, specs: str, peers: str, w
     ext = sorted((p for p in peer_specs if parse_spec(p)[0] in EXTERNAL_PEERS),
                  key=lambda p: parse_spec(p)[0] in ("vllm-eagle3", "llamacpp-lookup"))
     for spec in ext:
-        name, _, depth = parse_spec(spec)
+        name, _, depth, _ = parse_spec(spec)
         ok, reason = availability(name, target_source, bool(eagle3 and eagle3.trained), str(target.dtype).replace("torch.", ""))
         if not ok:
             unavailable.append({"name": name, "reason": reason})

@@ -1,17 +1,19 @@
 """Benchmark methods: our decoding (plain and every drafter in fixed and adaptive shapes) and
 in-process peers (HF transformers ``generate``: plain, prompt lookup, assisted with a draft).
 
-A method spec is ``SOURCE[:SHAPE][@DEPTH]``:
+A method spec is ``SOURCE[:SHAPE][@DEPTH[/NODES]]``:
 
 - ``plain``: our plain decoding (``speculate=False``), the reference of every ratio;
 - ``plain-hf``: the same on the HF ``DynamicCache`` path instead of the engine (same weights);
 - ``ngram`` / ``draft``: shapes ``chain`` (default) and ``adaptive``;
 - ``medusa``: ``static`` (its static tree, default), ``chain``, ``adaptive``;
-- ``eagle`` / ``eagle3``: ``dynamic`` (EAGLE-2 tree, default), ``chain``, ``adaptive``;
+- ``eagle`` / ``eagle3``: ``dynamic`` (EAGLE-2 tree, default; ``@K/N`` fixes its depth and node
+  count, root included, as the runtime-shape candidate ``tree@K/N``), ``chain``, ``adaptive``;
 - ``lookup`` (every model drafter): its chain of ``@DEPTH``, with prompt lookup first (a
   continuation of at most 5 tokens whenever the context's last >= 2 tokens occurred before:
   :class:`~specfoundry.runtime.drafters.lookup.LookupFirstDrafter`); ``lookup-adaptive``: the
   same lookup before the ``adaptive`` shape (the controller drives the model drafter's steps);
+  ``lookup-tree@K/N`` (EAGLE heads): the same lookup before a fixed tree of depth ``K``, ``N`` nodes;
 - peers: ``hf``, ``hf-lookup[@K]``, ``hf-assisted``; out-of-process peers (``vllm``,
   ``vllm-eagle3[@K]``, ``llamacpp``, ``llamacpp-lookup[@K]``) live in :mod:`specfoundry.bench.external`.
 
@@ -33,7 +35,7 @@ from typing import Callable
 import torch
 
 from specfoundry.runtime import SpeculativeGenerator, load_drafter
-from specfoundry.runtime.adaptive import AcceptanceTally
+from specfoundry.runtime.adaptive import AcceptanceTally, parse_shape_candidate, tree_options
 from specfoundry.runtime.drafters.base import Drafter
 from specfoundry.runtime.drafters.draft import DraftModelDrafter, layer_subset_model
 from specfoundry.runtime.drafters.lookup import LookupFirstDrafter
@@ -41,12 +43,13 @@ from specfoundry.runtime.target import TargetModel
 from specfoundry.runtime.tree import tree_depths
 
 _LOOKUP = ("lookup", "lookup-adaptive")
+_EAGLE_SHAPES = ("dynamic", "chain", "adaptive") + _LOOKUP + ("lookup-tree",)
 SHAPES = {"ngram": ("chain", "adaptive"), "draft": ("chain", "adaptive") + _LOOKUP,
-          "medusa": ("static", "chain", "adaptive") + _LOOKUP,
-          "eagle": ("dynamic", "chain", "adaptive") + _LOOKUP, "eagle3": ("dynamic", "chain", "adaptive") + _LOOKUP}
+          "medusa": ("static", "chain", "adaptive") + _LOOKUP, "eagle": _EAGLE_SHAPES, "eagle3": _EAGLE_SHAPES}
+_NODE_SHAPES = ("dynamic", "lookup-tree")  # shapes that take @K/N
 HF_PEERS = ("hf", "hf-lookup", "hf-assisted")
 EXTERNAL_PEERS = ("vllm", "vllm-eagle3", "llamacpp", "llamacpp-lookup")
-_SPEC = re.compile(r"^(?P<src>[A-Za-z0-9_.\-]+?)(?::(?P<shape>[a-z][a-z\-]*))?(?:@(?P<depth>\d+))?$")
+_SPEC = re.compile(r"^(?P<src>[A-Za-z0-9_.\-]+?)(?::(?P<shape>[a-z][a-z\-]*))?(?:@(?P<depth>\d+)(?:/(?P<nodes>\d+))?)?$")
 
 
 @dataclass
@@ -174,14 +177,26 @@ def hf_runner(target: TargetModel, **extra) -> Callable[..., RunResult]:
     return run
 
 
-def parse_spec(spec: str) -> tuple[str, str | None, int | None]:
+def parse_spec(spec: str) -> tuple[str, str | None, int | None, int | None]:
+    """``SOURCE[:SHAPE][@DEPTH[/NODES]]`` -> (source, shape, depth, nodes); nodes only for tree shapes."""
     m = _SPEC.match(spec.strip())
     if not m:
-        raise ValueError(f"bad method spec {spec!r}: expected SOURCE[:SHAPE][@DEPTH], e.g. eagle3:chain@4")
+        raise ValueError(f"bad method spec {spec!r}: expected SOURCE[:SHAPE][@DEPTH[/NODES]], e.g. eagle3:chain@4")
     depth = int(m["depth"]) if m["depth"] else None
     if depth is not None and depth < 1:
         raise ValueError(f"bad method spec {spec!r}: the draft depth must be >= 1")
-    return m["src"], m["shape"], depth
+    nodes = None
+    if m["nodes"]:
+        if m["shape"] not in _NODE_SHAPES:
+            raise ValueError(f"bad method spec {spec!r}: @K/N is for the tree shapes {list(_NODE_SHAPES)}")
+        try:
+            parse_shape_candidate(f"tree@{depth}/{m['nodes']}")
+        except ValueError as exc:
+            raise ValueError(f"bad method spec {spec!r}: {exc}") from None
+        nodes = int(m["nodes"])
+    elif m["shape"] == "lookup-tree":
+        raise ValueError(f"bad method spec {spec!r}: lookup-tree needs @K/N (depth and nodes), e.g. lookup-tree@2/4")
+    return m["src"], m["shape"], depth, nodes
 
 
 @dataclass
@@ -256,7 +271,7 @@ class MethodFactory:
                 self._draft_lms[key] = layer_subset_model(self.target, layers)
         return self._draft_lms[key]
 
-    def _drafter(self, src: Source, shape: str, depth: int | None) -> Drafter:
+    def _drafter(self, src: Source, shape: str, depth: int | None, nodes: int | None = None) -> Drafter:
         t = self.target
         if src.type == "ngram":
             return load_drafter("ngram", target=t, **({"depth": depth} if depth else {}))
@@ -269,6 +284,8 @@ class MethodFactory:
                 k = min(depth or heads.num_heads, heads.num_heads)
                 return load_drafter(where, target=t, choices=[[0] * i for i in range(1, k + 1)])
             return load_drafter(where, target=t)
+        if nodes:
+            return load_drafter(where, target=t, **tree_options(depth, nodes))
         tree = "chain" if shape == "chain" else "dynamic"
         return load_drafter(where, target=t, tree=tree, **({"depth": depth} if depth else {}))
 
@@ -278,7 +295,7 @@ class MethodFactory:
                       generator_runner(SpeculativeGenerator(self.target), speculate=False), draft_depth=0, reference="")
 
     def build(self, spec: str) -> Method:
-        src_name, shape, depth = parse_spec(spec)
+        src_name, shape, depth, nodes = parse_spec(spec)
         if src_name == "plain":
             if shape or depth:
                 raise ValueError(f"bad method spec {spec!r}: plain takes no shape or depth")
@@ -303,21 +320,24 @@ class MethodFactory:
         if shape not in shapes:
             raise ValueError(f"unknown shape {shape!r} for {src_name} ({src.type}): choose from {list(shapes)}")
         adaptive = shape in ("adaptive", "lookup-adaptive")
-        inner = {"adaptive": shapes[0], "lookup": "chain", "lookup-adaptive": shapes[0]}.get(shape, shape)
-        drafter = self._drafter(src, inner, depth)
+        inner = {"adaptive": shapes[0], "lookup": "chain", "lookup-adaptive": shapes[0], "lookup-tree": "dynamic"}.get(shape, shape)
+        drafter = self._drafter(src, inner, depth, nodes)
         k = depth or drafter.default_depth
         shape_text = {"chain": "chain", "static": "static tree", "dynamic": "dynamic tree (EAGLE-2)",
                       "adaptive": f"{shapes[0]} with adaptive depth"}.get(shape)
+        if nodes:
+            shape_text = f"dynamic tree (EAGLE-2) of {nodes} nodes"
         max_depth = k
-        if shape in _LOOKUP:
+        if shape in _LOOKUP or shape == "lookup-tree":
             drafter = LookupFirstDrafter(drafter)
             look = drafter.lookup
             max_depth = max(k, look.default_depth)  # the lookup chain may be deeper than the model's
             shape_text = (f"prompt lookup first (>= {look.min_ngram}-token match, <= {look.default_depth} tokens), "
-                          f"else {'adaptive ' + shapes[0] if adaptive else 'chain'}")
+                          f"else {'adaptive ' + shapes[0] if adaptive else (f'a {nodes}-node tree' if nodes else 'chain')}")
         gen = SpeculativeGenerator(self.target, RecordingDrafter(drafter), max_depth=max_depth, adaptive=adaptive)
         label = f"{src.type} ({src.describe()}), {shape_text}, depth {k}" + ("" if adaptive else ", fixed")
-        return Method(f"{src_name}:{shape}@{k}", label, "ours", generator_runner(gen), draft_depth=k)
+        return Method(f"{src_name}:{shape}@{k}" + (f"/{nodes}" if nodes else ""), label, "ours", generator_runner(gen),
+                      draft_depth=k)
 
     def _hf_peer(self, name: str, shape, depth, spec: str) -> Method:
         if shape:

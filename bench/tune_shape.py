@@ -2,7 +2,7 @@
 and store it as the checkpoint's runtime default (``training.runtime_shape``).
 
     specfoundry tune-shape --speculator runs/<recipe>/speculator [--data FILE] [--limit N]
-        [--shapes adaptive,chain@2,chain@3,chain@4] [--threads N] [--dry-run]
+        [--shapes adaptive,chain@2,chain@3,tree@2/4,...] [--threads N] [--dry-run]
 
 The training run already measures this on its held-out prompts, on the machine it trained on;
 re-run it on the machine that serves (the best shape follows that machine's cost curve). Prompts:
@@ -17,6 +17,7 @@ import sys
 
 
 def register(subparsers) -> None:
+    from specfoundry.runtime.adaptive import RUNTIME_SHAPE_CANDIDATES
     from specfoundry.runtime.cli import DTYPES
 
     p = subparsers.add_parser("tune-shape", help="measure a trained EAGLE head's fastest draft shape here and store it "
@@ -25,8 +26,9 @@ def register(subparsers) -> None:
     p.add_argument("--target", default="smollm2-135m", help="the target it belongs to (built-in name, HF id or path)")
     p.add_argument("--data", default=None, metavar="FILE", help="prompt JSONL (default: the built-in bench set)")
     p.add_argument("--limit", type=int, default=12, help="prompts to time (default 12)")
-    p.add_argument("--shapes", default="adaptive,chain@2,chain@3,chain@4",
-                   help="candidates: 'adaptive' (the checkpoint's tau shape under the controller) and chain@K")
+    p.add_argument("--shapes", default=",".join(RUNTIME_SHAPE_CANDIDATES),
+                   help="candidates: 'adaptive' (the checkpoint's tau shape under the controller), chain@K, "
+                        "tree@K/N (a fixed EAGLE-2 tree of depth K, N nodes with the root)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompt-lookup", type=int, default=2, metavar="N",
                    help="prompt lookup first on N-token matches, as generate/serve default to (0: off)")

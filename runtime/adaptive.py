@@ -44,15 +44,34 @@ MAX_DRAFT_NODES = 256
 MAX_DRAFT_TOP_K = 64
 
 
-def parse_shape_candidate(spec: str) -> tuple[str, int | None]:
-    """A runtime-shape candidate (runtime/tune.py): ``"adaptive"`` -> ``("adaptive", None)``;
-    ``"chain@K"`` -> ``("chain", K)``."""
+#: the runtime-shape candidates timed by default (runtime/tune.py, the recipes' evaluation): the
+#: natural shape under the adaptive controller, fixed chains of 2-3 (what won on the AMD EPYC
+#: machines measured so far) and small fixed trees (what won on an Intel CPU with AMX, where
+#: verifying 4-8 tokens costs little more than one; docs/results.md, ninth session)
+RUNTIME_SHAPE_CANDIDATES = ("adaptive", "chain@2", "chain@3", "tree@2/4", "tree@2/6", "tree@3/8")
+
+
+def parse_shape_candidate(spec: str) -> tuple[str, int | None, int | None]:
+    """A runtime-shape candidate (runtime/tune.py) -> ``(kind, depth, nodes)``: ``"adaptive"`` ->
+    ``("adaptive", None, None)``; ``"chain@K"`` -> ``("chain", K, None)``; ``"tree@K/N"`` (a fixed
+    EAGLE-2 tree of depth ``K`` and ``N`` nodes, root included, ``N >= K + 2``) -> ``("tree", K, N)``."""
     if spec == "adaptive":
-        return "adaptive", None
-    kind, _, depth = spec.partition("@")
-    if kind != "chain" or not depth.isdigit():
-        raise ValueError(f"runtime shape candidate {spec!r}: expected 'adaptive' or 'chain@K'")
-    return "chain", check_int(f"{spec}: K", int(depth), 1, MAX_DRAFT_DEPTH)
+        return "adaptive", None, None
+    kind, _, rest = spec.partition("@")
+    depth, _, nodes = rest.partition("/")
+    if kind not in ("chain", "tree") or not depth.isdigit() or (kind == "tree") != nodes.isdigit():
+        raise ValueError(f"runtime shape candidate {spec!r}: expected 'adaptive', 'chain@K' or 'tree@K/N'")
+    k = check_int(f"{spec}: K", int(depth), 1, MAX_DRAFT_DEPTH)
+    if kind == "chain":
+        return "chain", k, None
+    return "tree", k, check_int(f"{spec}: N", int(nodes), k + 2, MAX_DRAFT_NODES)
+
+
+def tree_options(depth: int, nodes: int) -> dict:
+    """EAGLE drafter options of a fixed tree of ``depth`` levels and ``nodes`` nodes (root
+    included): children per expanded node ``top_k = min(4, nodes - 1)`` (the default recipe's
+    evaluation tree has 4)."""
+    return {"tree": "dynamic", "depth": depth, "total_tokens": nodes, "top_k": min(4, nodes - 1)}
 
 
 def check_int(name: str, value, lo: int, hi: int | None = None) -> int:

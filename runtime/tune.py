@@ -1,8 +1,8 @@
 """The runtime default draft shape of a trained EAGLE head, measured on this machine.
 
 Why: the shape a training run measures tau with (e.g. 32-node EAGLE-2 trees) is rarely the
-fastest one to serve. On a CPU verification is compute-bound, so the fastest shape follows the
-machine's cost curve and the head's acceptance: with the long recipe's head the fixed chain of 3
+fastest one to serve. The fastest shape follows the machine's cost curve and the head's
+acceptance: with the long recipe's head the fixed chain of 3
 with prompt lookup first ran 1.37x plain decoding where its 32-node trees under the adaptive
 controller ran ~1.3x, and the default head's best chain is shorter (docs/results.md). No model of
 costs and acceptance is as reliable as timing the candidates, so :func:`measure_runtime_shape`
@@ -24,18 +24,20 @@ import time
 import torch
 from tqdm import tqdm
 
-from .adaptive import parse_shape_candidate
+from .adaptive import RUNTIME_SHAPE_CANDIDATES, parse_shape_candidate, tree_options
 
 __all__ = ["DEFAULT_CANDIDATES", "measure_runtime_shape", "shape_label"]
 
-#: the natural shape under the adaptive controller, and fixed chains of 2-4 (what won on the
-#: machines measured so far; a chain's cost grows slowly with its length there)
-DEFAULT_CANDIDATES = ("adaptive", "chain@2", "chain@3", "chain@4")
+DEFAULT_CANDIDATES = RUNTIME_SHAPE_CANDIDATES
 
 
 def shape_label(shape: dict) -> str:
-    """The candidate a measured shape came from: ``"adaptive"`` or ``"chain@K"``."""
-    return "adaptive" if shape["adaptive"] else f"chain@{shape['depth']}"
+    """The candidate a measured shape came from: ``"adaptive"``, ``"chain@K"`` or ``"tree@K/N"``."""
+    if shape["adaptive"]:
+        return "adaptive"
+    if shape.get("tree") == "dynamic":
+        return f"tree@{shape['depth']}/{shape['total_tokens']}"
+    return f"chain@{shape['depth']}"
 
 
 def _generator(target, speculator, spec: str, prompt_lookup: int):
@@ -43,7 +45,7 @@ def _generator(target, speculator, spec: str, prompt_lookup: int):
     from .drafters.lookup import with_lookup
     from .generator import SpeculativeGenerator
 
-    kind, depth = parse_shape_candidate(spec)
+    kind, depth, nodes = parse_shape_candidate(spec)
     if kind == "adaptive":  # the head's natural shape (training.drafter_options), the controller on
         from .speculators.checkpoint import read_config
 
@@ -51,8 +53,9 @@ def _generator(target, speculator, spec: str, prompt_lookup: int):
         drafter = load_drafter(str(speculator), target=target, **saved)
         shape = {**saved, "adaptive": True}
     else:
-        drafter = load_drafter(str(speculator), target=target, tree="chain", depth=depth)
-        shape = {"tree": "chain", "depth": depth, "adaptive": False}
+        options = tree_options(depth, nodes) if kind == "tree" else {"tree": "chain", "depth": depth}
+        drafter = load_drafter(str(speculator), target=target, **options)
+        shape = {**options, "adaptive": False}
     return SpeculativeGenerator(target, with_lookup(drafter, prompt_lookup), adaptive=shape["adaptive"]), shape
 
 

@@ -135,7 +135,14 @@ def test_method_specs_and_errors(tiny_chat, tmp_path):
     look = f.build("eagle3:lookup@3")  # the head's chain of 3, lookup chains up to 5
     assert look.name == "eagle3:lookup@3" and "prompt lookup first (>= 2-token match, <= 5 tokens), else chain" in look.label
     assert "else adaptive dynamic" in f.build("eagle3:lookup-adaptive").label
+    tree = f.build("eagle3:lookup-tree@2/4")  # a fixed small tree behind prompt lookup
+    assert tree.name == "eagle3:lookup-tree@2/4" and "else a 4-node tree" in tree.label
+    assert f.build("eagle3:dynamic@3/6").name == "eagle3:dynamic@3/6"
+    inner = f._drafter(f.sources["eagle3"], "dynamic", 2, 4)
+    assert (inner.tree, inner.depth, inner.total_tokens, inner.top_k) == ("dynamic", 2, 4, 3)
     for spec, match in [("nope", "unknown method 'nope'"), ("ngram:dynamic", "unknown shape 'dynamic'"),
+                        ("eagle3:chain@2/4", "@K/N is for the tree shapes"), ("eagle3:lookup-tree@2", "needs @K/N"),
+                        ("eagle3:lookup-tree@2/3", "N must be in"), ("ngram:lookup-tree@2/4", "unknown shape"),
                         ("eagle3:chain@0", "draft depth must be >= 1"), ("plain:chain", "plain takes no shape"),
                         ("vllm", "out-of-process peer"), ("bad spec!", "bad method spec")]:
         with pytest.raises(ValueError, match=match):
@@ -158,7 +165,8 @@ def test_draft_run_directory_becomes_the_draft_source(tiny_chat, tmp_path):
 # -- end to end -----------------------------------------------------------------------------
 def test_tiny_bench_run_writes_valid_report_markdown_and_plots(tiny_dir, tmp_path, capsys):
     out = tmp_path / "bench"
-    methods = "plain,ngram:chain,ngram:adaptive,draft:chain@3,eagle3:dynamic,eagle3:chain@3,eagle3:lookup-adaptive,medusa:static"
+    methods = ("plain,ngram:chain,ngram:adaptive,draft:chain@3,eagle3:dynamic,eagle3:chain@3,eagle3:lookup-adaptive,"
+               "eagle3:lookup-tree@2/4,medusa:static")
     rc = cli_main(["bench", "--target", str(tiny_dir), "--dtype", "float64", "--categories", "conversation,math",
                    "--limit", "1", "--max-new-tokens", "10", "--temperature", "0", "1", "--methods", methods,
                    "--peers", "hf,hf-lookup,hf-assisted,llamacpp", "--out", str(out), "--no-progress"])
@@ -167,7 +175,8 @@ def test_tiny_bench_run_writes_valid_report_markdown_and_plots(tiny_dir, tmp_pat
     assert validate_report(report) == []
     assert report["passed"] and report["failures"] == []
     names = [m["name"] for m in report["methods"]]
-    assert names[0] == "plain" and {"hf", "hf-lookup@5", "hf-assisted", "eagle3:dynamic@5", "medusa:static@4"} <= set(names)
+    assert names[0] == "plain" and {"hf", "hf-lookup@5", "hf-assisted", "eagle3:dynamic@5", "eagle3:lookup-tree@2/4",
+                                    "medusa:static@4"} <= set(names)
     # conversation prompt 1 has two turns, math one: 3 turns x 2 temperatures per method
     assert len(report["records"]) == len(names) * 3 * 2
     # llama.cpp: not installed here, or installed but the tiny target has no GGUF

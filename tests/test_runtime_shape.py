@@ -59,7 +59,7 @@ def test_the_fastest_median_wins_and_the_budget_stops_new_prompts(monkeypatch, c
     import specfoundry.runtime.generator as generator_mod
 
     monkeypatch.setattr(generator_mod, "SpeculativeGenerator", lambda target: _Timed(1.0))
-    shape = tune.measure_runtime_shape(target, checkpoint, ["a", "b", "c"], progress=False)
+    shape = tune.measure_runtime_shape(target, checkpoint, ["a", "b", "c"], list(secs), progress=False)
     # chain@3 and chain@4 tie at 2.5x: the first listed wins
     assert shape["depth"] == 3 and shape["adaptive"] is False and shape["prompts"] == 3
     assert shape["speedups"] == {"adaptive": 1.25, "chain@2": 2.0, "chain@3": 2.5, "chain@4": 2.5}
@@ -68,21 +68,22 @@ def test_the_fastest_median_wins_and_the_budget_stops_new_prompts(monkeypatch, c
 
     clock = iter([0.0] + [1e9] * 100)  # the deadline, then always past it
     monkeypatch.setattr(tune, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
-    shape = tune.measure_runtime_shape(target, checkpoint, ["a", "b", "c"], max_minutes=1, progress=False)
+    shape = tune.measure_runtime_shape(target, checkpoint, ["a", "b", "c"], list(secs), max_minutes=1, progress=False)
     assert shape["prompts"] == 1  # the first prompt is always measured
     with pytest.raises(ValueError, match="at least one prompt"):
         tune.measure_runtime_shape(target, checkpoint, [], progress=False)
-    with pytest.raises(ValueError, match="expected 'adaptive' or 'chain@K'"):
-        tune.measure_runtime_shape(target, checkpoint, ["a"], ["tree@3"], progress=False)
+    for bad in ("tree@3", "chain@2/4", "tree@3/4"):  # a tree needs N >= K + 2 nodes (K + 1 is a chain)
+        with pytest.raises(ValueError, match="expected 'adaptive', 'chain@K' or 'tree@K/N'|N must be"):
+            tune.measure_runtime_shape(target, checkpoint, ["a"], [bad], progress=False)
 
 
 def test_measured_shape_is_stored_and_becomes_the_default(checkpoint, tiny):
     target, _ = tiny
     mode = os.stat(checkpoint / "config.json").st_mode
     weights = (checkpoint / "model.safetensors").read_bytes()
-    shape = tune.measure_runtime_shape(target, checkpoint, TINY_PROMPTS[:2], ["adaptive", "chain@2"],
+    shape = tune.measure_runtime_shape(target, checkpoint, TINY_PROMPTS[:2], ["adaptive", "chain@2", "tree@2/5"],
                                        max_new_tokens=6, progress=False)
-    assert set(shape["speedups"]) == {"adaptive", "chain@2"} and all(v > 0 for v in shape["speedups"].values())
+    assert set(shape["speedups"]) == {"adaptive", "chain@2", "tree@2/5"} and all(v > 0 for v in shape["speedups"].values())
     assert shape["prompts"] == 2 and shape["prompt_lookup"] == 2 and shape["dtype"] == str(target.dtype).removeprefix("torch.")
     set_runtime_shape(checkpoint, shape)
     assert read_config(checkpoint)["training"]["runtime_shape"] == shape
@@ -99,6 +100,19 @@ def test_measured_shape_is_stored_and_becomes_the_default(checkpoint, tiny):
         gen = SpeculativeGenerator(target, with_lookup(d, 2))
         assert gen.adaptive is want["adaptive"]
         assert SpeculativeGenerator(target, d, adaptive=True).adaptive  # the caller's word wins
+    # a measured fixed tree: its depth, node count and fan-out, the controller off, lossless
+    tree = {**tune._generator(target, checkpoint, "tree@2/5", 2)[1], "speedups": {"tree@2/5": 1.5}}
+    assert tree == {"tree": "dynamic", "depth": 2, "total_tokens": 5, "top_k": 4, "adaptive": False,
+                    "speedups": {"tree@2/5": 1.5}} and tune.shape_label(tree) == "tree@2/5"
+    set_runtime_shape(checkpoint, tree)
+    d = load_drafter(str(checkpoint), target=target)
+    assert (d.tree, d.depth, d.total_tokens, d.top_k, d.default_adaptive) == ("dynamic", 2, 5, 4, False)
+    gen = SpeculativeGenerator(target, with_lookup(d, 2))
+    kw = dict(prompt=TINY_PROMPTS[1], max_new_tokens=12, stop_at_eos=False)
+    out = gen.generate(**kw)
+    assert out.token_ids == gen.generate(speculate=False, **kw).token_ids
+    assert [tune.shape_label(s) for s in ({"adaptive": True}, {"tree": "chain", "depth": 3, "adaptive": False})] == \
+        ["adaptive", "chain@3"]
     named = load_drafter(str(checkpoint), target=target, tree="dynamic")
     assert (named.tree, named.depth, named.total_tokens, named.default_adaptive) == ("dynamic", 3, 8, True)
     # lossless whatever the default: the fixed chain's greedy output is the target's
@@ -143,4 +157,16 @@ def test_tune_shape_cli(checkpoint, tiny, capsys):
     assert read_config(checkpoint)["training"]["runtime_shape"]["depth"] == 2
     capsys.readouterr()
     assert main(["tune-shape", "--speculator", str(checkpoint), "--target", str(target_dir), "--shapes", "tree@2"]) == 2
-    assert "expected 'adaptive' or 'chain@K'" in capsys.readouterr().err
+    assert "expected 'adaptive', 'chain@K' or 'tree@K/N'" in capsys.readouterr().err
+
+
+def test_recipe_default_candidates_are_the_runtimes():
+    """The recipe schema writes the default candidates out (it must not import the runtime for a dry
+    run): they are the runtime's, and every one parses."""
+    from specfoundry.runtime.adaptive import RUNTIME_SHAPE_CANDIDATES, parse_shape_candidate
+    from specfoundry.train.recipe_schema import EvaluationConfig
+
+    assert tuple(EvaluationConfig().runtime_shapes) == RUNTIME_SHAPE_CANDIDATES == tune.DEFAULT_CANDIDATES
+    assert [parse_shape_candidate(c)[0] for c in RUNTIME_SHAPE_CANDIDATES] == ["adaptive", "chain", "chain", "tree",
+                                                                                "tree", "tree"]
+

@@ -53,7 +53,8 @@ def _non_empty(v: str) -> str:
 
 
 def _shape_candidate(v: str) -> str:
-    from specfoundry.runtime.adaptive import parse_shape_candidate  # no torch: the schema stays light
+    # imported only for a recipe that names its candidates (it loads the runtime package)
+    from specfoundry.runtime.adaptive import parse_shape_candidate
 
     try:
         parse_shape_candidate(v)
@@ -376,7 +377,10 @@ class EvaluationConfig(_Section):
     # EAGLE heads: after tau, time these shapes against plain decoding on the held-out prompts
     # (greedy, prompt lookup first) and store the fastest as the checkpoint's runtime default
     # (training.runtime_shape; runtime/tune.py); "adaptive" is the shape above under the controller
-    runtime_shapes: list[ShapeCandidate] = Field(default_factory=lambda: ["adaptive", "chain@2", "chain@3", "chain@4"])
+    # (the runtime's RUNTIME_SHAPE_CANDIDATES, written out: importing the runtime here would load
+    # torch and transformers into the dry run; a test keeps the two equal)
+    runtime_shapes: list[ShapeCandidate] = Field(
+        default_factory=lambda: ["adaptive", "chain@2", "chain@3", "tree@2/4", "tree@2/6", "tree@3/8"])
     # held-out prompts for that (0: skip it) and its wall budget
     runtime_prompts: int = Field(8, ge=0)
     runtime_max_minutes: float | None = Field(1.5, gt=0)
