@@ -2,9 +2,9 @@
 
 Why: the shape a training run measures tau with (e.g. 32-node EAGLE-2 trees) is rarely the
 fastest one to serve. The fastest shape follows the machine's cost curve and the head's
-acceptance: with the long recipe's head the fixed chain of 3
-with prompt lookup first ran 1.37x plain decoding where its 32-node trees under the adaptive
-controller ran ~1.3x, and the default head's best chain is shorter (docs/results.md). No model of
+acceptance: with the long recipe's head the fixed chain of 3 with prompt lookup first ran 1.37x
+plain decoding where its 32-node trees under the adaptive controller ran ~1.3x on an AMD EPYC, and
+on an Intel CPU with AMX (cheap verification) small fixed trees beat every chain (docs/results.md). No model of
 costs and acceptance is as reliable as timing the candidates, so :func:`measure_runtime_shape`
 does that: each prompt is decoded plainly and with every candidate (greedy, prompt lookup first,
 rotating order, one warm-up first), and the candidate with the best median speed-up wins.

@@ -93,6 +93,12 @@ def _cases(target):
         cases.append(("eagle3 chain, lookup first T=1",
                       LookupFirstDrafter(load_drafter("eagle3", target=target, tree="chain", depth=2), min_match=1,
                                          lookup_depth=2), dict(max_depth=2, max_nodes=3), SamplingParams(1.0)))
+        # a measured runtime shape may be a small fixed tree behind lookup (runtime/tune.py: tree@K/N)
+        from specfoundry.runtime.adaptive import tree_options
+
+        cases.append(("eagle3 small tree, lookup first T=1",
+                      LookupFirstDrafter(load_drafter("eagle3", target=target, **tree_options(2, 4)), min_match=1,
+                                         lookup_depth=2), dict(max_depth=2, max_nodes=4), SamplingParams(1.0)))
         # a reduced, permuted draft vocabulary: drafts are drawn over it and q mapped into the target's
         from specfoundry.runtime.drafters.eagle import Eagle3Drafter
         from specfoundry.runtime.speculators import Eagle3Head
@@ -118,7 +124,8 @@ def _cases(target):
 
 
 CASE_NAMES = ["draft-chain T=1", "draft-chain T=0.7 top-p 0.9", "ngram deterministic T=1.3 top-k 4", "plain T=0.9 top-p 0.9",
-              "eagle3 dynamic tree T=1", "eagle3 chain, lookup first T=1", "eagle3 reduced vocab T=1",
+              "eagle3 dynamic tree T=1", "eagle3 chain, lookup first T=1", "eagle3 small tree, lookup first T=1",
+              "eagle3 reduced vocab T=1",
               "eagle3 chain reduced vocab T=0.8 top-p 0.9", "medusa static tree T=0.8 top-p 0.95",
               "medusa reduced vocab T=1"]
 
