@@ -66,11 +66,13 @@ def test_row_groups_split_where_reading_padded_columns_costs_more_than_a_call():
         assert all(w == max(cols[s:e]) for s, e, w in g)
 
 
-@pytest.mark.parametrize("overhead", [None, 0])  # 0: every row attends in its own range
-def test_slot_forward_matches_solo_forwards_with_unequal_lengths_and_trees(target, overhead, monkeypatch):
+@pytest.mark.parametrize("overhead,packed", [(None, False), (0, False), (None, True)])  # 0: a range per row
+def test_slot_forward_matches_solo_forwards_with_unequal_lengths_and_trees(target, overhead, packed, monkeypatch):
     """Rows of different committed lengths, each with its own tree: one batched forward gives each
     row the logits a solo forward of that row gives; committing random accepted paths and running a
-    second step still matches a fresh solo computation of the committed sequences."""
+    second step still matches a fresh solo computation of the committed sequences. ``packed``: the
+    padding is named (``counts``), so only the real nodes run through the linears and the LM head;
+    the padding then holds other ids, and every real row's logits must still be its solo ones."""
     if overhead is not None:
         monkeypatch.setattr(slots_module, "GROUP_OVERHEAD_COLUMNS", overhead)
     gen = torch.Generator().manual_seed(0)
@@ -91,7 +93,11 @@ def test_slot_forward_matches_solo_forwards_with_unequal_lengths_and_trees(targe
         pos[b] = lens[b]
         pos[b, :n] += tree_depths(p.view(1, -1))[0]
         block[b, :n, :n] = ancestor_matrix(p.view(1, -1))[0]
-    out = forward_slots(slots, tokens, pos, block)
+    counts = [p.numel() for p in parents] if packed else None
+    if packed:  # padding that would change the result if it were computed with the real rows
+        for b, p in enumerate(parents):
+            tokens[b, p.numel():] = 63
+    out = forward_slots(slots, tokens, pos, block, counts=counts)
     for b, p in enumerate(parents):
         n = p.numel()
         ref_cache = target.new_cache()

@@ -389,12 +389,13 @@ class ServingEngine:
             positions[b, :n] += tree_depths(d.parents)[0]
             if n > 1:
                 block[b, :n, :n] = ancestor_matrix(d.parents)[0]
-        chunks = self._chunks(self.max_step_tokens - B * N)
+        counts = [d.num_nodes for d in drafts]  # only real nodes run through the linears (forward_mixed)
+        chunks = self._chunks(self.max_step_tokens - sum(counts))
         if chunks:
             out, chunk_features = forward_mixed(self.slots, tokens, positions, block,
-                                                [(f.cache, ids) for f, ids in chunks], self.feature_layers)
+                                                [(f.cache, ids) for f, ids in chunks], self.feature_layers, counts)
         else:
-            out = forward_slots(self.slots, tokens, positions, block, self.feature_layers)
+            out = forward_slots(self.slots, tokens, positions, block, self.feature_layers, counts)
         keeps, news, accepted = [], [], []
         for b, (s, d) in enumerate(zip(seqs, drafts)):
             n = d.num_nodes
@@ -428,7 +429,7 @@ class ServingEngine:
         t3 = time.perf_counter()
         drafted = sum(d.num_nodes - 1 for d, lk in zip(drafts, looked) if not lk)  # by the head
         if not chunks:  # the cost model's unit is a decode forward's (a prefill chunk would skew it)
-            self.policy.record_step(t2 - t1, B * N, (t1 - t0) + (t3 - t2), drafted)
+            self.policy.record_step(t2 - t1, sum(counts), (t1 - t0) + (t3 - t2), drafted)
         self.steps += 1
         self.metrics.step(B, queued, sum(1 for d in drafts if d.num_nodes > 1), t3 - t0)
         finished = []

@@ -137,23 +137,20 @@ def row_mask(lengths: torch.Tensor, block: torch.Tensor, groups: int) -> torch.T
     return m.repeat(1, groups, 1).unsqueeze(1)
 
 
-@torch.inference_mode()
 def forward_slots(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor,
-                  block: torch.Tensor | None = None, feature_layers: tuple[int, ...] = ()) -> TargetOutput:
+                  block: torch.Tensor | None = None, feature_layers: tuple[int, ...] = (),
+                  counts: list[int] | None = None) -> TargetOutput:
     """One batched step over the ``B = cache.active`` rows: ``tokens``/``positions`` ``[B, n]``,
     ``block`` ``[B, n, n]`` bool tree masks among each row's new tokens (None = causal). The new
-    entries are written after each row's committed length; :meth:`SlotCache.commit` keeps some."""
-    engine = cache.engine
-    B, n = tokens.shape
-    attention = _slot_attention(cache, B, n, block)
-    cos, sin = engine.rope(positions.to(engine.device))
-    x, feats = engine.run_layers(tokens, cos, sin, attention, feature_layers)
-    return engine.finish(x, feats, feature_layers, None)
+    entries are written after each row's committed length; :meth:`SlotCache.commit` keeps some.
+    ``counts``: each row's real tokens (the rest is padding): see :func:`forward_mixed`."""
+    return forward_mixed(cache, tokens, positions, block, [], feature_layers, counts)[0]
 
 
 @torch.inference_mode()
 def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, block: torch.Tensor | None,
-                  chunks: list[tuple[StaticKVCache, torch.Tensor]], feature_layers: tuple[int, ...] = ()
+                  chunks: list[tuple[StaticKVCache, torch.Tensor]], feature_layers: tuple[int, ...] = (),
+                  counts: list[int] | None = None
                   ) -> tuple[TargetOutput | None, list[tuple[torch.Tensor, torch.Tensor | None]]]:
     """:func:`forward_slots` for the ``B`` active rows (``tokens`` ``[B, n]``; ``B`` may be 0) and,
     in the same forward, prompt chunks of requests being prefilled (chunked prefill): each
@@ -161,14 +158,33 @@ def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
     causal) and is committed there. The linears run once over all ``B*n + sum(c)`` tokens: the
     decode rows' weight reads and fixed costs are shared with the prefill.
 
+    ``counts[b]``: row ``b``'s real tokens (its draft's nodes), the rest of its ``n`` being padding
+    to the longest draft. Only real tokens go through the linears and the LM head (rows drafting
+    different lengths, e.g. one prompt-lookup chain of 5 among chains of 2 or plain rows, would
+    otherwise make every row pay for the longest); attention still runs on the padded ``[B, n]``
+    layout (zero queries, K/V written past the row's committed entries and never kept). The
+    decode output keeps the ``[B, n, ...]`` shape; a padding position's logits and features are
+    left unset (never read: verification reads ``:counts[b]``). None: every token is real.
+
     Returns (the decode rows' output, None when ``B`` is 0; per chunk (the logits of its last token
     ``[V]``, its features ``[1, c, F, H]`` or None without ``feature_layers``))."""
     engine = cache.engine
     dev = engine.device
     B, n = tokens.shape
-    sizes = [B * n] + [int(ids.shape[0]) for _, ids in chunks]
-    pos = [positions.to(dev).reshape(-1)] + [pc.length + torch.arange(ids.shape[0], device=dev) for pc, ids in chunks]
-    flat = torch.cat([tokens.to(dev).reshape(-1)] + [ids.to(dev) for _, ids in chunks]).view(1, -1)
+    real = None  # flat indices of the real decode tokens, when some are padding
+    if counts is not None and B:
+        if len(counts) != B or min(counts) < 1 or max(counts) > n:
+            raise ValueError(f"counts must give 1..{n} real tokens for each of the {B} rows, got {counts}")
+        if sum(counts) < B * n:
+            have = torch.tensor(counts, device=dev).view(B, 1)
+            real = (torch.arange(n, device=dev).view(1, n) < have).view(-1).nonzero().view(-1)
+    T = B * n if real is None else int(real.shape[0])
+    dec_tokens, dec_pos = tokens.to(dev).reshape(-1), positions.to(dev).reshape(-1)
+    if real is not None:
+        dec_tokens, dec_pos = dec_tokens[real], dec_pos[real]
+    sizes = [T] + [int(ids.shape[0]) for _, ids in chunks]
+    pos = [dec_pos] + [pc.length + torch.arange(ids.shape[0], device=dev) for pc, ids in chunks]
+    flat = torch.cat([dec_tokens] + [ids.to(dev) for _, ids in chunks]).view(1, -1)
     cos, sin = engine.rope(torch.cat(pos).view(1, -1))
     decode = _slot_attention(cache, B, n, block) if B else None
     masks = []
@@ -180,10 +196,17 @@ def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
         m = None if c == 1 else torch.ones(c, pc.length + c, dtype=torch.bool, device=dev).tril(pc.length)
         masks.append(None if m is None else m.repeat(engine.groups, 1).view(1, 1, engine.groups * c, -1))
 
+    def padded(t: torch.Tensor) -> torch.Tensor:  # [T, heads, D] real tokens -> [B, n, heads, D]
+        if real is None:
+            return t.view(B, n, *t.shape[1:])
+        return t.new_zeros(B * n, *t.shape[1:]).index_copy_(0, real, t).view(B, n, *t.shape[1:])
+
     def attention(i, q, k, v):
         qs, ks, vs = (t[0].split(sizes) for t in (q, k, v))
-        outs = [decode(i, qs[0].view(B, n, *q.shape[2:]), ks[0].view(B, n, *k.shape[2:]),
-                       vs[0].view(B, n, *v.shape[2:])).reshape(B * n, -1)] if B else []
+        outs = []
+        if B:
+            o = decode(i, padded(qs[0]), padded(ks[0]), padded(vs[0])).reshape(B * n, -1)
+            outs.append(o if real is None else o[real])
         for (pc, _), m, qc, kc, vc in zip(chunks, masks, qs[1:], ks[1:], vs[1:]):
             outs.append(attend(pc.kv[i], qc[None], kc[None], vc[None], pc.length, m, engine.scale)[0])
         return torch.cat(outs).view(1, flat.shape[1], -1)
@@ -193,14 +216,19 @@ def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
         pc.mark_appended(int(ids.shape[0]))
         pc.commit()
     ends = torch.tensor(sizes, device=dev).cumsum(0)
-    logits_for = torch.cat([torch.arange(B * n, device=dev), ends[1:] - 1])  # decode rows, each chunk's last
+    logits_for = torch.cat([torch.arange(T, device=dev), ends[1:] - 1])  # decode rows, each chunk's last
     out = engine.finish(x, feats, feature_layers, logits_for)
     features = out.features[0].split(sizes) if out.features is not None else [None] * len(sizes)
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:  # [T, ...] -> [B, n, ...], padding left unset
+        if real is None:
+            return t.view(B, n, *t.shape[1:])
+        return t.new_empty(B * n, *t.shape[1:]).index_copy_(0, real, t).view(B, n, *t.shape[1:])
+
     dec = None
     if B:
-        dec = TargetOutput(logits=out.logits[:, : B * n].view(B, n, -1),
-                           features=None if out.features is None else features[0].view(B, n, *features[0].shape[1:]))
-    return dec, [(out.logits[0, B * n + j], None if f is None else f.unsqueeze(0)) for j, f in enumerate(features[1:])]
+        dec = TargetOutput(logits=unpack(out.logits[0, :T]), features=None if out.features is None else unpack(features[0]))
+    return dec, [(out.logits[0, T + j], None if f is None else f.unsqueeze(0)) for j, f in enumerate(features[1:])]
 
 
 def _slot_attention(cache: SlotCache, B: int, n: int, block: torch.Tensor | None):
