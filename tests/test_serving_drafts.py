@@ -31,12 +31,17 @@ def _features(g, n, F, H):
     return torch.randn(1, n, F, H, generator=g, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
-def test_slot_drafts_propose_the_per_request_chains(target, kind):
-    """Rows of unequal length, varying accepted counts, depths 1-4, a row leaving (the last row
-    moves into its place) and one joining: every batched chain equals the chain the per-request
-    drafter proposes from the same pairs."""
-    base = load_drafter(kind, target, tree="chain", depth=4)
+@pytest.mark.parametrize("kind,shapes", [
+    ("eagle3", [(d, d + 1) for d in (1, 2, 3, 4)]),
+    ("eagle", [(d, d + 1) for d in (1, 2, 3, 4)]),
+    ("eagle3", [(2, 6), (3, 8), (1, 4), (3, 12), (2, 3)]),  # greedy trees (top_k 4), one chain between
+    ("eagle", [(3, 8), (2, 4)]),
+])
+def test_slot_drafts_propose_the_per_request_drafts(target, kind, shapes):
+    """Rows of unequal length, varying accepted counts, a cycle of shapes (depth, nodes), a row
+    leaving (the last row moves into its place) and one joining: every batched chain or tree
+    equals the one the per-request drafter proposes from the same pairs."""
+    base = load_drafter(kind, target, tree="dynamic", depth=4, top_k=4, total_tokens=12)
     F, H = len(base.feature_layers), target.hidden_size
     g = torch.Generator().manual_seed(0)
     slots = SlotDrafts(base.head, slots=4, capacity=256)
@@ -53,12 +58,14 @@ def test_slot_drafts_propose_the_per_request_chains(target, kind):
     for length in (5, 17, 1, 9):
         admit(length)
     for step in range(12):
-        depth = 1 + step % 4
+        depth, nodes = shapes[step % len(shapes)]
         live = list(range(len(rows)))
         batched = slots.propose(live, [r["ids"][0, -1:] for r in rows], depth, [GREEDY] * len(rows),
-                                [None] * len(rows))
+                                [None] * len(rows), nodes=nodes, top_k=4)
+        if nodes > depth + 1:  # really trees: a row with a head output gets the whole node budget
+            assert max(d.num_nodes for d in batched) == nodes
         for b, r in enumerate(rows):
-            want = r["solo"].propose(DraftContext(r["ids"], GREEDY, depth, depth + 1))
+            want = r["solo"].propose(DraftContext(r["ids"], GREEDY, depth, nodes))
             assert torch.equal(batched[b].tokens, want.tokens), (step, b)
             assert torch.equal(batched[b].parents, want.parents)
             # a verification outcome: some drafts accepted, then a bonus token
@@ -114,6 +121,35 @@ def test_serving_with_slot_drafts_is_lossless_under_load(target):
         assert [x[0] for x in got] == want
         if table:
             assert sum(x[2].stats["drafted"] for x in got) > 0  # the slot drafts really drafted
+
+
+def test_serving_drafts_the_heads_small_tree_for_greedy_rows(target, monkeypatch):
+    """A head whose shape is a small tree (depth 3, 8 nodes, top_k 4: a measured runtime shape)
+    drafts that tree for greedy rows at full depth, chains below it and for sampling rows; every
+    greedy request still gets its solo output, and the policy prices the tree's 8 rows."""
+    d = load_drafter("eagle3", target, tree="dynamic", depth=3, top_k=4, total_tokens=8)
+    ps = prompts(8)
+    want = solo(target, ps)
+    shapes = []
+    real = SlotDrafts.propose
+
+    def spy(self, rows, roots, depth, sampling, generators, nodes=None, top_k=4):
+        out = real(self, rows, roots, depth, sampling, generators, nodes=nodes, top_k=top_k)
+        shapes.extend((depth, o.num_nodes, sp.greedy) for o, sp in zip(out, sampling))
+        return out
+
+    monkeypatch.setattr(SlotDrafts, "propose", spy)
+    with ServingEngine(target, d, max_batch=4, max_queue=16, speculation_table="1-:3") as eng:
+        assert eng._tree == (8, 4)
+        hs = [eng.submit(Request(p, max_new_tokens=24, stop_at_eos=False)) for p in ps]
+        hs.append(eng.submit(Request(ps[0], max_new_tokens=24, temperature=1.0, seed=1, stop_at_eos=False)))
+        got = [h.result() for h in hs]
+        greedy_monitor = eng.policy.monitor(True, tree_nodes=8)
+        assert greedy_monitor.rows(3) == 8 and greedy_monitor.rows(2) == 3
+    assert [x[0] for x in got[:-1]] == want
+    assert any(n == 8 and g for _, n, g in shapes)  # greedy rows: trees of 8 nodes
+    assert all(n <= 4 for _, n, g in shapes if not g)  # the sampling row: chains of 3
+    assert any(n == 4 for _, n, g in shapes if not g)
 
 
 def test_serving_with_slot_drafts_keeps_the_target_distribution():

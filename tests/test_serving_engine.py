@@ -311,6 +311,21 @@ def test_policy_turns_speculation_off_as_load_grows():
     assert table.choose([table.monitor() for _ in range(5)]) == [1] * 5
 
 
+def test_policy_prices_a_small_trees_rows():
+    """A request whose head drafts a tree at full depth (monitor.tree_nodes) pays that tree's rows
+    in the cost model: with the fake cost above, one request drafts the 8-node tree (8 rows cost
+    what 1 does), two requests step back to chains of 3 (2 x 8 rows would cost 2 units)."""
+    policy = SpeculationPolicy(4, cost=lambda rows: max(1.0, rows / 8))
+    policy.prior = lambda: [0.75] * 4
+    assert policy.best_depth([policy.monitor(tree_nodes=8)]) == 4
+    assert policy.best_depth([policy.monitor(tree_nodes=8) for _ in range(2)]) == 3
+    assert policy.best_depth([policy.monitor() for _ in range(2)]) == 3  # chains: 2 x 4 rows
+    wide = [policy.monitor(tree_nodes=40)]
+    assert policy.best_depth(wide) == 3 and wide[0].rows(4) == 40 and wide[0].rows(3) == 4
+    # a lookup chain replacing a tree frees the tree's rows
+    assert policy.take_lookups([policy.monitor(tree_nodes=40)], [4], [4]) == [True]
+
+
 def test_lookup_drafts_are_taken_where_they_pay_and_kept_apart():
     """Fake cost model as above: a lookup chain rides on a small batch whatever the head's depth
     (even 0, or a request whose monitor has the head off), is taken under load only when the

@@ -237,7 +237,7 @@ class EagleDrafter(Drafter):
         # keep the best `budget` nodes; the stable sort breaks ties by index (parents first)
         order = torch.sort(-score, stable=True).indices[:budget]
         keep = order.sort().values  # creation order is topological
-        return _subtree(root, tok, par, keep, None)
+        return subtree(root, tok, par, keep, None)
 
     def _grow_sampling(self, root: torch.Tensor, depth: int, budget: int, ctx: DraftContext) -> Draft:
         head, k = self.head, self.top_k
@@ -305,10 +305,10 @@ class EagleDrafter(Drafter):
         tok = torch.cat(tokens)
         keep = torch.arange(tok.shape[0], device=dev)
         q_all = self._target_vocab(torch.cat(qs))
-        return _subtree(root, tok, torch.cat(parents), keep, q_all)
+        return subtree(root, tok, torch.cat(parents), keep, q_all)
 
 
-def _subtree(root: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, keep: torch.Tensor,
+def subtree(root: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, keep: torch.Tensor,
              q: torch.Tensor | None) -> Draft:
     """Assemble a Draft from candidate nodes ``1..M`` (``tok``/``par`` ``[M]``, parent ids in
     1-based node numbering with 0 = root) keeping ``keep`` (0-based candidate indices, sorted,

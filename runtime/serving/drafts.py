@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..sampling import SamplingParams, probs_from_logits, sample
+from ..drafters.eagle import subtree
 from ..tree import Draft
 
 __all__ = ["SlotDrafts"]
@@ -124,11 +125,16 @@ class SlotDrafts:
     # -- proposals -------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, rows: list[int], roots: list[torch.Tensor], depth: int, sampling: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> list[Draft]:
+                generators: list[torch.Generator | None], nodes: int | None = None, top_k: int = 4) -> list[Draft]:
         """A chain of ``depth`` drafts below each root (``roots[i]``: row ``rows[i]``'s last committed
-        token); a row whose head has no output yet (a one-token prompt) gets the root alone."""
+        token); a row whose head has no output yet (a one-token prompt) gets the root alone.
+        ``nodes`` > ``depth + 1`` (greedy rows only): a tree of that many nodes (:meth:`_trees`)."""
         if depth < 1 or not rows:
             return [Draft.root_only(r.view(-1)[-1:]) for r in roots]
+        if nodes is not None and nodes > depth + 1:
+            if not all(sp.greedy for sp in sampling):
+                raise ValueError("draft trees in serving are greedy only: sampling rows draft chains")
+            return self._trees(rows, roots, depth, nodes, top_k)
         self._run(rows)
         live = [i for i, r in enumerate(rows) if self._root[r] is not None]
         if not live:
@@ -175,4 +181,67 @@ class SlotDrafts:
                 q = qd if d2t is None else qd.new_zeros(depth, V).index_copy_(1, d2t, qd)
                 q = q.unsqueeze(0)
             drafts.append(Draft.chain(root.to(dev), chain, q))
+        return drafts
+
+    def _trees(self, rows: list[int], roots: list[torch.Tensor], depth: int, nodes: int, top_k: int) -> list[Draft]:
+        """Greedy EAGLE-2 trees for every row at once: what the per-request drafter's tree search
+        (``EagleDrafter._grow_greedy``) builds for each row, with one head forward per depth for all
+        rows (every row expands the same number of nodes per depth, so the frontier is a tensor)."""
+        self._run(rows)
+        live = [i for i, r in enumerate(rows) if self._root[r] is not None]
+        if not live:
+            return [Draft.root_only(r.view(-1)[-1:]) for r in roots]
+        head = self.head
+        d2t = head.draft_to_target
+        dev = head.device
+        R, k = len(live), min(top_k, head.draft_vocab_size)
+        if any(self.lengths[rows[i]] + k * (depth - 1) > self.capacity for i in live):
+            raise ValueError(f"a row's draft would exceed the drafting cache ({self.capacity} entries)")
+        rows_t = torch.tensor([rows[i] for i in live], device=dev)
+        base = torch.tensor([self.lengths[rows[i]] for i in live], device=dev)
+        front_h = torch.stack([self._root[rows[i]] for i in live]).unsqueeze(1)  # [R, m, H]
+        # scores only rank candidates: float32 (or the head's float64 in tests), as the per-request search
+        work = torch.promote_types(front_h.dtype, torch.float32)
+        front_score = torch.zeros(R, 1, dtype=work, device=dev)
+        front_idx = torch.zeros(R, 1, dtype=torch.long, device=dev)  # node ids (0 = root)
+        front_rows = torch.zeros(R, 1, 0, dtype=torch.bool, device=dev)  # ancestors among the draft entries
+        tokens, parents, scores = [], [], []  # per depth [R, m*k]
+        n_nodes, written = 1, 0
+        for d in range(1, depth + 1):
+            m = front_h.shape[1]
+            logp = torch.log_softmax(head.compute_logits(front_h.reshape(R * m, -1)).to(work), dim=-1)
+            top = logp.view(R, m, -1).topk(k, dim=-1)  # [R, m, k]
+            child_tok = (top.indices if d2t is None else d2t[top.indices]).reshape(R, m * k)
+            child_score = (front_score[:, :, None] + top.values).reshape(R, m * k)
+            tokens.append(child_tok)
+            parents.append(front_idx.repeat_interleave(k, dim=1))
+            scores.append(child_score)
+            child_idx = n_nodes + torch.arange(m * k, device=dev)
+            n_nodes += m * k
+            if d == depth:
+                break
+            sel = child_score.topk(min(k, m * k), dim=-1).indices.sort(dim=-1).values  # [R, e]
+            par = sel // k
+            e = sel.shape[1]
+            anc = torch.gather(front_rows, 1, par[:, :, None].expand(R, e, written))
+            front_rows = torch.cat([anc, torch.eye(e, dtype=torch.bool, device=dev).expand(R, e, e)], dim=2)
+            hid = torch.gather(front_h, 1, par[:, :, None].expand(R, e, front_h.shape[2]))
+            pos = (base + d - 1).view(R, 1).expand(R, e)
+            front_h = head.step_rows(torch.gather(child_tok, 1, sel), hid, self.kv, rows_t, base + written,
+                                     position_ids=pos, block=front_rows)
+            written += e
+            front_idx, front_score = child_idx[sel], torch.gather(child_score, 1, sel)
+        tok, par_all, score = torch.cat(tokens, dim=1), torch.cat(parents, dim=1), torch.cat(scores, dim=1)
+        budget = min(nodes - 1, tok.shape[1])
+        drafts: list[Draft] = []
+        by_row = {i: j for j, i in enumerate(live)}
+        for i, root in enumerate(roots):
+            root = root.view(-1)[-1:]
+            j = by_row.get(i)
+            if j is None:
+                drafts.append(Draft.root_only(root))
+                continue
+            # the best `budget` nodes; the stable sort breaks ties by index (parents first)
+            keep = torch.sort(-score[j], stable=True).indices[:budget].sort().values
+            drafts.append(subtree(root.to(dev), tok[j], par_all[j], keep, None))
         return drafts

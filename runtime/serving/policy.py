@@ -7,13 +7,18 @@ rows, and on a CPU (and on a GPU past its memory-bound region) a forward's cost 
 rows. Each step :meth:`SpeculationPolicy.choose` picks the chain depth ``k`` that maximises the
 batch's expected tokens per second::
 
-    rate(k) = sum_b tau_b(k_b) / (unit * cost(sum_b (k_b + 1)) + draft * sum_b k_b)
+    rate(k) = sum_b tau_b(k_b) / (unit * cost(sum_b rows_b(k_b)) + draft * sum_b k_b)
 
 where ``cost(rows)`` is this machine's measured forward cost relative to one row (the target's
 cost curve, extrapolated linearly past its last point), ``unit`` the measured seconds of one cost
 unit, ``draft`` the measured seconds per drafted token, and ``tau_b(k)`` the expected tokens of
 request ``b`` at depth ``k`` from its own rolling acceptance (the server-wide acceptance as its
-prior). ``k_b = k`` for requests whose monitor has speculation on, else 0.
+prior). ``k_b = k`` for requests whose monitor has speculation on, else 0. ``rows_b(k)`` is
+``k + 1`` (a chain), except that a greedy request whose head drafts a small tree at its full depth
+(the head's measured runtime shape, e.g. ``tree@3/8``) verifies that tree's nodes there
+(:attr:`AcceptanceMonitor.tree_nodes`): the tree's rows are priced, and its acceptance is what the
+request's window records at that depth (chain steps at lower depths share the window, so their
+estimate leans on the tree's first-position acceptance until chain steps correct it).
 
 :class:`AcceptanceMonitor` keeps a request's last ``window`` speculative steps; when even alone
 (batch 1) no depth would beat plain decoding on those figures, speculation stops for that request
@@ -64,8 +69,10 @@ class AcceptanceMonitor:
     """One request's acceptance over its last ``window`` speculative steps, and whether it
     speculates now (see the module docstring)."""
 
-    def __init__(self, max_depth: int, window: int = 16, reprobe: int = 32, enabled: bool = True):
+    def __init__(self, max_depth: int, window: int = 16, reprobe: int = 32, enabled: bool = True,
+                 tree_nodes: int | None = None):
         self.max_depth = max_depth
+        self.tree_nodes = tree_nodes  # nodes of the tree drafted at max_depth (None: a chain)
         self.steps: deque[tuple[int, int]] = deque(maxlen=window)
         self.reprobe = reprobe
         self.enabled = enabled  # False: the request opted out
@@ -85,6 +92,10 @@ class AcceptanceMonitor:
         for d, a in self.steps:
             tally.record(d, a)
         return [(p + weight * pr) / (t + weight) for p, t, pr in zip(tally.passed[1:], tally.tried[1:], prior)]
+
+    def rows(self, depth: int) -> int:
+        """Verified rows of a step drafted at ``depth``: the tree's nodes at full depth, else a chain's."""
+        return self.tree_nodes if self.tree_nodes and depth == self.max_depth else depth + 1
 
     @property
     def speculating(self) -> bool:
@@ -119,8 +130,9 @@ class SpeculationPolicy:
         self.unit: float | None = None  # seconds per cost unit (measured)
         self.draft: float | None = None  # seconds per drafted token per row (measured)
 
-    def monitor(self, speculate: bool = True) -> AcceptanceMonitor:
-        return AcceptanceMonitor(self.max_depth, self.window, self.reprobe, enabled=speculate and self.max_depth > 0)
+    def monitor(self, speculate: bool = True, tree_nodes: int | None = None) -> AcceptanceMonitor:
+        return AcceptanceMonitor(self.max_depth, self.window, self.reprobe, enabled=speculate and self.max_depth > 0,
+                                 tree_nodes=tree_nodes)
 
     # -- costs -----------------------------------------------------------------------------
     def cost(self, rows: int) -> float:
@@ -161,14 +173,14 @@ class SpeculationPolicy:
         prior, look = self.prior(), self.lookup_acceptance()
         acc = [m.acceptance(prior) for m in monitors]
         tokens = sum(expected_tokens(a, k) for a, k in zip(acc, depths))
-        rows, drafted = sum(k + 1 for k in depths), sum(depths)
+        rows, drafted = sum(_rows(m, k) for m, k in zip(monitors, depths)), sum(depths)
         take = [False] * len(depths)
         for b, n in enumerate(lengths):
             if n <= 0:
                 continue
             n = min(n, self.lookup_depth)
             t2 = tokens - expected_tokens(acc[b], depths[b]) + expected_tokens(look, n)
-            r2, d2 = rows - depths[b] + n, drafted - depths[b]
+            r2, d2 = rows - _rows(monitors[b], depths[b]) + n + 1, drafted - depths[b]
             if t2 / self.seconds(r2, d2) >= tokens / self.seconds(rows, drafted):
                 take[b] = True
                 tokens, rows, drafted = t2, r2, d2
@@ -176,7 +188,8 @@ class SpeculationPolicy:
 
     def record_step(self, verify_seconds: float, rows: int, draft_seconds: float, drafted: int) -> None:
         """Measured seconds of one step: the forward over ``rows`` rows and the drafting of
-        ``drafted`` tokens by the head (all requests; prompt-lookup drafts cost no drafting; the
+        ``drafted`` depths by the head (summed over rows: a chain of ``k`` or a tree ``k`` deep each
+        cost ``k`` head forwards; prompt-lookup drafts cost no drafting; the
         drafters' commits are counted in ``draft_seconds``: charging them to no depth instead was
         tried and measured no better, docs/results.md seventh session)."""
         unit = verify_seconds / self.cost(rows)
@@ -194,10 +207,12 @@ class SpeculationPolicy:
             monitor.switch_off()
 
     # -- the decision ----------------------------------------------------------------------
-    def rate(self, acceptances: list[list[float]], depths: list[int]) -> float:
-        """Expected tokens per second (per cost unit before anything is measured) of one step."""
+    def rate(self, acceptances: list[list[float]], depths: list[int], monitors: list | None = None) -> float:
+        """Expected tokens per second (per cost unit before anything is measured) of one step
+        (``monitors`` price each request's rows at its depth; None: chains)."""
         tokens = sum(expected_tokens(a, k) for a, k in zip(acceptances, depths))
-        return tokens / self.seconds(sum(k + 1 for k in depths), sum(depths))
+        rows = sum(_rows(m, k) for m, k in zip(monitors, depths)) if monitors else sum(k + 1 for k in depths)
+        return tokens / self.seconds(rows, sum(depths))
 
     def seconds(self, rows: int, drafted: int) -> float:
         """Expected seconds (cost units before anything is measured) of a step verifying ``rows``
@@ -215,7 +230,7 @@ class SpeculationPolicy:
         if not any(on):
             return 0
         return max(range(self.max_depth + 1),
-                   key=lambda k: (self.rate(acc, [k if o else 0 for o in on]), -k))
+                   key=lambda k: (self.rate(acc, [k if o else 0 for o in on], monitors), -k))
 
     def choose(self, monitors: list[AcceptanceMonitor]) -> list[int]:
         """This step's depth for each request of the batch."""
@@ -234,3 +249,9 @@ class SpeculationPolicy:
         if k:
             self._since_draft = 0
         return [k if m.speculating else 0 for m in monitors]
+
+
+def _rows(monitor, depth: int) -> int:
+    """Verified rows of ``monitor``'s request at ``depth`` (a monitor without trees: a chain's)."""
+    rows = getattr(monitor, "rows", None)
+    return rows(depth) if rows is not None else depth + 1

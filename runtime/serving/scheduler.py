@@ -140,9 +140,16 @@ class ServingEngine:
         # EAGLE heads draft for every row at once (one head forward per depth, :mod:`.drafts`)
         # (behind prompt lookup too: a row drafts its lookup chain when the policy takes it, else with the head)
         self.slot_drafts = None
+        # a head whose shape is a small tree (its measured runtime shape) drafts that tree for greedy
+        # rows at its full depth: (nodes, top_k), else None (chains)
+        self._tree = None
         if self.max_depth and hasattr(getattr(head_drafter, "head", None), "step_rows") and \
                 getattr(head_drafter, "_static", False):
-            self.slot_drafts = SlotDrafts(head_drafter.head, max_batch, self.max_context + self.max_depth + 2)
+            if getattr(head_drafter, "tree", "chain") == "dynamic" and self._head_depth == head_drafter.default_depth \
+                    and head_drafter.total_tokens > self._head_depth + 1:
+                self._tree = (head_drafter.total_tokens, head_drafter.top_k)
+            width = self._tree[1] * self._head_depth if self._tree else self.max_depth
+            self.slot_drafts = SlotDrafts(head_drafter.head, max_batch, self.max_context + max(width, self.max_depth) + 2)
         self._waiting: deque[RequestHandle] = deque()
         self._seqs: list[_Seq] = []
         self._filling: deque[_Fill] = deque()  # admitted, prompt being prefilled (no slot row yet)
@@ -268,6 +275,8 @@ class ServingEngine:
         if self.drafter is not None and r.speculate and self.max_depth:
             drafter = _BATCHED if self.slot_drafts is not None else self.drafter.fork()
         seq = _Seq(handle, drafter, self.policy.monitor(drafter is not None), self.engine.device, self.target.decode)
+        if drafter is _BATCHED and self._tree is not None and seq.sampling.greedy:
+            seq.monitor.tree_nodes = self._tree[0]  # sampling rows draft chains (serving trees are greedy)
         if drafter is _BATCHED and self._lookup is not None:
             seq.lookup = self._lookup.fork()
         seq.stats.queued_seconds = seq.started - handle.submitted
@@ -356,22 +365,23 @@ class ServingEngine:
                  if s.lookup is not None and s.monitor.enabled else None for s in seqs]
         lengths = [f.num_nodes - 1 if f is not None else 0 for f in found]
         looked = self.policy.take_lookups(monitors, depths, lengths) if any(lengths) else [False] * len(seqs)
-        batched: dict[int, list[int]] = {}  # depth -> rows drafted together by the slot drafts
+        batched: dict[tuple[int, int], list[int]] = {}  # (depth, nodes) -> rows drafted together by the slot drafts
         for b, (s, k) in enumerate(zip(seqs, depths)):
             if looked[b]:
                 drafts[b] = found[b]
             elif k > 0 and s.drafter is _BATCHED:
-                batched.setdefault(k, []).append(b)
+                batched.setdefault((k, s.monitor.rows(k)), []).append(b)
             elif k > 0:
                 try:
                     drafts[b] = s.drafter.propose(DraftContext(s.ids, s.sampling, k, k + 1, s.gen))
                 except Exception as e:  # noqa: BLE001 - one request's drafter must not stop the others
                     self._drop_drafter(s, e)
-        for k, rows in batched.items():
+        for (k, nodes), rows in batched.items():
             try:
                 for b, d in zip(rows, self.slot_drafts.propose(rows, [seqs[b].ids[0, -1:] for b in rows], k,
                                                                [seqs[b].sampling for b in rows],
-                                                               [seqs[b].gen for b in rows])):
+                                                               [seqs[b].gen for b in rows], nodes=nodes,
+                                                               top_k=self._tree[1] if self._tree else 1)):
                     drafts[b] = d
             except Exception as e:  # noqa: BLE001 - these requests go on without speculation
                 for b in rows:
@@ -427,7 +437,8 @@ class ServingEngine:
                 except Exception as e:  # noqa: BLE001
                     self._drop_drafter(s, e)
         t3 = time.perf_counter()
-        drafted = sum(d.num_nodes - 1 for d, lk in zip(drafts, looked) if not lk)  # by the head
+        # head forwards per row: a tree k deep costs k, as a chain of k does
+        drafted = sum(int(d.depths.max()) for d, lk in zip(drafts, looked) if not lk and d.num_nodes > 1)
         if not chunks:  # the cost model's unit is a decode forward's (a prefill chunk would skew it)
             self.policy.record_step(t2 - t1, sum(counts), (t1 - t0) + (t3 - t2), drafted)
         self.steps += 1

@@ -271,12 +271,15 @@ class _EagleBase(nn.Module):
 
     @torch.inference_mode()
     def step_rows(self, input_ids: torch.Tensor, hidden: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor,
-                  lengths: torch.Tensor) -> torch.Tensor:
+                  lengths: torch.Tensor, position_ids: torch.Tensor | None = None,
+                  block: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`step` for several sequences of unequal length in one cache (the serving batch's
         drafting, :mod:`specfoundry.runtime.serving.drafts`): ``kv`` ``[2, slots, hkv, capacity, D]``,
-        row ``rows[b]`` holds ``lengths[b]`` entries; its ``n`` new tokens (causal among themselves,
-        positions ``lengths[b] ..``) are written after them. Nothing is committed here: the caller
-        keeps the lengths."""
+        row ``rows[b]`` holds ``lengths[b]`` entries; its ``n`` new tokens are written after them.
+        Default: causal among themselves at positions ``lengths[b] ..``; for a draft tree,
+        ``position_ids`` ``[B, n]`` and ``block`` bool ``[B, n, k]`` over each row's last ``k``
+        columns (the new tokens included), everything before them visible (as in :meth:`step`).
+        Nothing is committed here: the caller keeps the lengths."""
         B, n = input_ids.shape
         dev = self.device
         a = self.architecture
@@ -288,8 +291,16 @@ class _EagleBase(nn.Module):
         if W > kv.shape[3]:
             raise ValueError(f"a row would exceed the drafting cache ({kv.shape[3]} entries)")
         cols = torch.arange(W, device=dev)
-        # row b sees its committed entries and its new ones up to itself
-        mask = (cols.view(1, 1, W) <= write.view(B, n, 1)).repeat(1, g, 1).unsqueeze(1)
+        if block is None:  # row b sees its committed entries and its new ones up to itself
+            mask = cols.view(1, 1, W) <= write.view(B, n, 1)
+        else:
+            k = block.shape[-1]
+            start = (lengths + n - k).view(B, 1, 1)
+            if bool((start < 0).any()):
+                raise ValueError(f"block covers {k} columns but a row has fewer")
+            mask = (cols.view(1, 1, W) < start).expand(B, n, W).clone()
+            mask.scatter_(2, start + torch.arange(k, device=dev).view(1, 1, k).expand(B, n, k), block.to(dev))
+        mask = mask.repeat(1, g, 1).unsqueeze(1)
         contiguous = bool((rows == torch.arange(rows[0], rows[0] + B, device=rows.device)).all())
 
         def attention(q, k, v):
@@ -302,7 +313,7 @@ class _EagleBase(nn.Module):
                 keys, values = kv[0, rows, :, :W], kv[1, rows, :, :W]
             return grouped_attention(q, keys, values, mask, self.layer.self_attn.scaling)
 
-        return self._layer_step(input_ids, hidden, write, attention)
+        return self._layer_step(input_ids, hidden, write if position_ids is None else position_ids.to(dev), attention)
 
     def _layer_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                     attention) -> torch.Tensor:
