@@ -42,3 +42,62 @@ def test_ttt_unroll_equals_runtime_drafting():
                          cache=cache)
                 cache.commit()
                 torch.testing.assert_close(h[0, 0], outs[j][0, s], rtol=0, atol=1e-10)
+
+
+def _unroll_dense(method, input_ids, features):
+    """The TTT unroll as one dense masked attention per step: the head's HF forward over a
+    growing KV cache, step ``j`` seeing step 0's entries ``t <= s`` and entry ``s`` of every
+    later step (itself included): the reference :meth:`Eagle3Method.unroll` must equal."""
+    head = method.head
+    B, L = input_ids.shape
+    cache = KVCache()
+    hidden = head.fuse_features(features[:, :-1])
+    outs, sizes = [], []
+    for j in range(method.ttt_steps):
+        n = L - 1 - j
+        if n < 1:
+            break
+        s = torch.arange(n)
+        if j == 0:
+            allowed = torch.ones(n, n, dtype=torch.bool).tril()
+            h_in = hidden
+        else:
+            blocks = [torch.arange(sizes[0])[None, :] <= s[:, None]]
+            blocks += [torch.arange(size)[None, :] == s[:, None] for size in sizes[1:]]
+            allowed = torch.cat(blocks + [torch.eye(n, dtype=torch.bool)], dim=1)
+            h_in = outs[-1][:, :n]
+        out = head(input_ids[:, 1 + j :], h_in, position_ids=(s + j).expand(B, n),
+                   attention_mask=allowed.expand(B, *allowed.shape), cache=cache)
+        cache.commit()
+        outs.append(out)
+        sizes.append(n)
+    return outs
+
+
+@pytest.mark.parametrize("ttt_steps", [1, 2, 3, 4])
+def test_ttt_unroll_equals_dense_masked_attention(ttt_steps):
+    """The block (causal + diagonals) attention of the unroll equals the dense masked attention
+    over all steps' entries, outputs and the head's gradients, with grouped-query attention."""
+    target = tiny_llama(0)
+    head = Eagle3Head.from_target(target).to(torch.float64)
+    a = head.architecture
+    assert a["num_attention_heads"] != a["num_key_value_heads"]  # GQA
+    method = Eagle3Method(head, target.lm_head, ttt_steps=ttt_steps)
+    batch = _batch(target, head, B=2, L=9, seed=1)
+    grads = []
+    for unroll in (method.unroll, lambda i, f: _unroll_dense(method, i, f)):
+        head.zero_grad()
+        outs = unroll(batch["input_ids"], batch["features"])
+        assert [o.shape[1] for o in outs] == [8 - j for j in range(ttt_steps)]
+        # a loss on every output, with weights that differ per entry
+        w = [torch.randn(o.shape, generator=torch.Generator().manual_seed(3 + j), dtype=o.dtype)
+             for j, o in enumerate(outs)]
+        sum((o * wj).sum() for o, wj in zip(outs, w)).backward()
+        got = {k: p.grad.clone() for k, p in head.named_parameters() if p.grad is not None}
+        grads.append(([o.detach() for o in outs], got))
+    (new_outs, new_grads), (ref_outs, ref_grads) = grads
+    for o, r in zip(new_outs, ref_outs):
+        torch.testing.assert_close(o, r, rtol=0, atol=1e-10)
+    assert new_grads.keys() == ref_grads.keys() and "layer.self_attn.k_proj.weight" in ref_grads
+    for k in ref_grads:
+        torch.testing.assert_close(new_grads[k], ref_grads[k], rtol=1e-9, atol=1e-10, msg=k)

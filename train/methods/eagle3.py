@@ -15,8 +15,7 @@ vocabulary, weighted ``decay**j``.
 from __future__ import annotations
 
 import torch
-
-from specfoundry.runtime.target import KVCache
+import torch.nn.functional as F
 
 from .common import finish_metrics, soft_ce
 
@@ -43,34 +42,60 @@ class Eagle3Method(torch.nn.Module):
         return last_hidden.to(w.dtype) @ w.T
 
     def unroll(self, input_ids: torch.Tensor, features: torch.Tensor) -> list[torch.Tensor]:
-        """Head outputs per TTT step: ``outs[j]`` ``[B, L-1-j, H]`` (start ``s`` at index ``s``)."""
+        """Head outputs per TTT step: ``outs[j]`` ``[B, L-1-j, H]`` (start ``s`` at index ``s``).
+
+        Each step runs the head's decoder layer by hand (:meth:`_layer_step`, what the drafter
+        runs) with the attention computed as blocks instead of one dense masked product: step 0
+        is causal attention over its ``L-1`` entries; step ``j >= 1`` row ``s`` scores step 0's
+        keys ``t <= s`` (one causal product) and, of every later step ``i <= j`` (itself
+        included), only its own entry ``s`` (a diagonal: an elementwise product), all under one
+        softmax. Step ``i`` has ``L-1-i`` entries; step ``j`` uses the first ``L-1-j`` of each.
+        """
         B, L = input_ids.shape
-        dev = self.head.device
-        cache = KVCache()
-        hidden = self.head.fuse_features(features[:, :-1])
+        head = self.head
+        dev = head.device
+        a = head.architecture
+        hkv = a["num_key_value_heads"]
+        g = a["num_attention_heads"] // hkv
+        scale = head.layer.self_attn.scaling
+        hidden = head.fuse_features(features[:, :-1])
+        keys, values = [], []  # per step: [B, hkv, n_i, D]
+        future = torch.ones(L - 1, L - 1, dtype=torch.bool, device=dev).triu(1)  # t > s: hidden
         outs = []
-        sizes = []  # entries each earlier step put in the cache
         for j in range(self.ttt_steps):
             n = L - 1 - j
             if n < 1:
                 break
+
+            def attention(q, k, v, j=j, n=n):
+                D = q.shape[-1]
+                k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, hkv, n, D]
+                keys.append(k)
+                values.append(v)
+                if j == 0:
+                    o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=scale,
+                                                       enable_gqa=g > 1)  # [B, hq, n, D]
+                    return o.transpose(1, 2).reshape(B, n, -1)
+                # query head h reads KV head h // g: [B, hkv, g, n, D]
+                qg = (q * scale).reshape(B, n, hkv, g, D).permute(0, 2, 3, 1, 4)
+                k0, v0 = keys[0][:, :, :n], values[0][:, :, :n]
+                causal = (qg.reshape(B, hkv, g * n, D) @ k0.transpose(-1, -2)).view(B, hkv, g, n, n)
+                diag = torch.stack([torch.linalg.vecdot(qg, kk[:, :, None, :n]) for kk in keys[1:]], dim=-1)
+                hide = torch.cat([future[:n, :n], future.new_zeros(n, j)], dim=1)
+                # one softmax over [step 0's t <= s | steps 1..j's entry s]; in bfloat16 (under
+                # autocast) it accumulates in float32, and its probabilities meet V in bfloat16,
+                # as in the fused attention kernels
+                scores = torch.cat([causal, diag.to(causal.dtype)], dim=-1).masked_fill_(hide, float("-inf"))
+                pc, pd = torch.softmax(scores, dim=-1).split([n, j], dim=-1)
+                o = (pc.reshape(B, hkv, g * n, n) @ v0).view(B, hkv, g, n, D)
+                for i, vv in enumerate(values[1:]):
+                    o = o + pd[..., i : i + 1] * vv[:, :, None, :n]
+                return o.permute(0, 3, 1, 2, 4).reshape(B, n, -1).to(v.dtype)
+
             ids = input_ids[:, 1 + j :]
-            s = torch.arange(n, device=dev)
-            if j == 0:
-                allowed = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-                h_in = hidden
-            else:
-                blocks = [torch.arange(sizes[0], device=dev)[None, :] <= s[:, None]]  # real features t <= s
-                for size in sizes[1:]:
-                    blocks.append(torch.arange(size, device=dev)[None, :] == s[:, None])  # own earlier steps
-                blocks.append(torch.eye(n, dtype=torch.bool, device=dev))  # itself
-                allowed = torch.cat(blocks, dim=1)
-                h_in = outs[-1][:, :n]
-            pos = (s + j).expand(B, n)
-            out = self.head(ids, h_in, position_ids=pos, attention_mask=allowed.expand(B, *allowed.shape), cache=cache)
-            cache.commit()
-            outs.append(out)
-            sizes.append(n)
+            h_in = hidden if j == 0 else outs[-1][:, :n]
+            pos = (torch.arange(n, device=dev) + j).expand(B, n)
+            outs.append(head._layer_step(ids, h_in, pos, attention))
         return outs
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
