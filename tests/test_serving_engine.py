@@ -316,7 +316,7 @@ def test_policy_prices_a_small_trees_rows():
     in the cost model: with the fake cost above, one request drafts the 8-node tree (8 rows cost
     what 1 does), two requests step back to chains of 3 (2 x 8 rows would cost 2 units)."""
     policy = SpeculationPolicy(4, cost=lambda rows: max(1.0, rows / 8))
-    policy.prior = lambda: [0.75] * 4
+    policy.prior = policy.tree_prior = lambda: [0.75] * 4
     assert policy.best_depth([policy.monitor(tree_nodes=8)]) == 4
     assert policy.best_depth([policy.monitor(tree_nodes=8) for _ in range(2)]) == 3
     assert policy.best_depth([policy.monitor() for _ in range(2)]) == 3  # chains: 2 x 4 rows
@@ -327,10 +327,12 @@ def test_policy_prices_a_small_trees_rows():
 
 
 def test_lookup_drafts_are_taken_where_they_pay_and_kept_apart():
-    """Fake cost model as above: a lookup chain rides on a small batch whatever the head's depth
+    """Fake cost model: flat up to 8 rows, then growing (at 16 rows an extra row costs 1/24 of the
+    step): a lookup chain rides on a small batch whatever the head's depth
     (even 0, or a request whose monitor has the head off), is taken under load only when the
     lookup drafts accept well, and its steps never move the head's acceptance figures."""
-    policy = SpeculationPolicy(5, cost=lambda rows: max(1.0, rows / 8))
+    cost = lambda rows: max(1.0, 0.5 + rows / 16)  # noqa: E731
+    policy = SpeculationPolicy(5, cost=cost)
     policy.prior = lambda: [0.2] * 5  # a head that does not pay: depth 0 for every batch
     policy.draft = 0.5  # seconds per head-drafted token (lookup drafts cost none)
     mons = [policy.monitor() for _ in range(16)]
@@ -339,17 +341,18 @@ def test_lookup_drafts_are_taken_where_they_pay_and_kept_apart():
     assert policy.take_lookups(mons[:2], [0, 0], [0, 3]) == [False, True]  # no match: nothing to take
     mons[0].switch_off()
     assert policy.take_lookups(mons[:1], [0], [4]) == [True]
-    # 16 rows: extra rows cost; lookups that accept 10% do not pay, 90% do (for some rows)
+    # 16 rows: extra rows cost; lookups that never accept do not pay, ones that always do (93% after
+    # the pooled figures' smoothing) do, for some rows
     for _ in range(50):
         policy.record_lookup(5, 0)
     low = policy.take_lookups(mons, [0] * 16, [5] * 16)
-    assert policy.lookup_acceptance()[0] == 0.0 and not any(low)
-    fresh = SpeculationPolicy(5, cost=lambda rows: max(1.0, rows / 8))
+    assert policy.lookup_acceptance()[0] == pytest.approx(4 / 58) and not any(low)  # 0/50 behind 8 pseudo-steps at 0.5
+    fresh = SpeculationPolicy(5, cost=cost)
     fresh.prior, fresh.draft = policy.prior, policy.draft
     for _ in range(50):
         fresh.record_lookup(5, 5)
     high = fresh.take_lookups(mons, [0] * 16, [5] * 16)
-    assert any(high) and fresh.lookup_acceptance() == [1.0] * 5
+    assert any(high) and fresh.lookup_acceptance() == [pytest.approx(54 / 58)] * 5
     # the head's pooled figures saw none of it
     assert sum(policy.pooled.tried) == 0 and sum(fresh.pooled.tried) == 0
 
@@ -426,3 +429,36 @@ def test_one_failing_request_does_not_stop_the_others(target, monkeypatch):
         assert h_ok.result()[0] == want[1]
         monkeypatch.setattr(sched, "verify", real_verify)
         assert eng.generate(Request(ps[2], max_new_tokens=24, stop_at_eos=False))[0] == want[2]
+
+
+def test_one_rejected_first_draft_does_not_turn_the_server_plain():
+    """The pooled figures start from pseudo-steps at 50%: a server whose first draft was rejected
+    at the first position still drafts for a new request where drafting is free (read as 0%
+    acceptance, it stayed plain until the next probe: measured at 1 client, tau 1.2 vs 1.6)."""
+    policy = SpeculationPolicy(3, cost=lambda rows: 1.0)
+    policy.record(policy.monitor(), 3, 0)
+    assert 0.4 < policy.prior()[0] < 0.5
+    assert policy.best_depth([policy.monitor()]) == 3
+    for _ in range(200):  # many rejections do settle it
+        policy.record(policy.monitor(), 3, 0)
+    assert policy.prior()[0] < 0.05
+
+
+def test_tree_and_chain_steps_are_tallied_apart():
+    """A request whose chains accept poorly but whose tree accepts well keeps drafting its tree
+    (one tally for both let the chains' figures stand for the tree, which was then never tried);
+    the pooled figures are kept apart the same way."""
+    policy = SpeculationPolicy(3, cost=lambda rows: max(1.0, rows / 8))
+    policy.draft = 0.05  # seconds per head-drafted depth, against 1 s per cost unit
+    m = policy.monitor(tree_nodes=8)
+    for _ in range(12):
+        policy.record(m, 1, 0)  # chains of 1: rejected
+        policy.record(m, 3, 2, tree=True)  # trees 3 deep: two accepted
+    chain, tree = policy.estimates([m])[0]
+    assert chain[0] < 0.3 and tree[0] > 0.8 and tree[1] > 0.8
+    assert policy.pooled.tried[1] == 12 and policy.pooled_tree.tried[1] == 12
+    assert m.speculating and policy.best_depth([m]) == 3
+    chains_only = policy.monitor()  # the same figures without a tree: not worth drafting
+    for _ in range(12):
+        policy.record(chains_only, 1, 0)
+    assert policy.best_depth([chains_only]) < 3

@@ -16,9 +16,10 @@ request ``b`` at depth ``k`` from its own rolling acceptance (the server-wide ac
 prior). ``k_b = k`` for requests whose monitor has speculation on, else 0. ``rows_b(k)`` is
 ``k + 1`` (a chain), except that a greedy request whose head drafts a small tree at its full depth
 (the head's measured runtime shape, e.g. ``tree@3/8``) verifies that tree's nodes there
-(:attr:`AcceptanceMonitor.tree_nodes`): the tree's rows are priced, and its acceptance is what the
-request's window records at that depth (chain steps at lower depths share the window, so their
-estimate leans on the tree's first-position acceptance until chain steps correct it).
+(:attr:`AcceptanceMonitor.tree_nodes`): the tree's rows are priced, and its expected tokens come
+from tree steps only (the request's own and the server's pooled tree figures), apart from the
+chains' (a tree accepts more at its first position than a chain: one tally for both made the
+chain estimates the tree's, or kept the tree from ever being tried).
 
 :class:`AcceptanceMonitor` keeps a request's last ``window`` speculative steps; when even alone
 (batch 1) no depth would beat plain decoding on those figures, speculation stops for that request
@@ -73,23 +74,25 @@ class AcceptanceMonitor:
                  tree_nodes: int | None = None):
         self.max_depth = max_depth
         self.tree_nodes = tree_nodes  # nodes of the tree drafted at max_depth (None: a chain)
-        self.steps: deque[tuple[int, int]] = deque(maxlen=window)
+        self.steps: deque[tuple[int, int]] = deque(maxlen=window)  # chain steps
+        self.tree_steps: deque[tuple[int, int]] = deque(maxlen=window)  # tree steps (tree_nodes set)
         self.reprobe = reprobe
         self.enabled = enabled  # False: the request opted out
         self.off_for = 0  # plain steps left before re-probing
         self.turned_off = 0  # times the monitor switched this request off
 
-    def record(self, depth_drafted: int, accepted: int) -> None:
+    def record(self, depth_drafted: int, accepted: int, tree: bool = False) -> None:
         if depth_drafted:
-            self.steps.append((depth_drafted, accepted))
+            (self.tree_steps if tree else self.steps).append((depth_drafted, accepted))
         elif self.off_for:
             self.off_for -= 1
 
-    def acceptance(self, prior: list[float], weight: float = 4.0) -> list[float]:
-        """Per-depth conditional acceptance from the window, shrunk towards ``prior`` with the
-        weight of ``weight`` observations (a new request starts at the prior)."""
+    def acceptance(self, prior: list[float], weight: float = 4.0, tree: bool = False) -> list[float]:
+        """Per-depth conditional acceptance from the window (of chain steps, or of tree steps),
+        shrunk towards ``prior`` with the weight of ``weight`` observations (a new request starts
+        at the prior)."""
         tally = AcceptanceTally(self.max_depth)
-        for d, a in self.steps:
+        for d, a in (self.tree_steps if tree else self.steps):
             tally.record(d, a)
         return [(p + weight * pr) / (t + weight) for p, t, pr in zip(tally.passed[1:], tally.tried[1:], prior)]
 
@@ -104,6 +107,7 @@ class AcceptanceMonitor:
     def switch_off(self) -> None:
         self.off_for = self.reprobe
         self.steps.clear()  # the re-probe starts from the prior again
+        self.tree_steps.clear()
         self.turned_off += 1
 
 
@@ -125,7 +129,8 @@ class SpeculationPolicy:
         # them current (traffic changes; the server-wide prior would otherwise never move again)
         self.probe_every = probe_every
         self._since_draft = 0
-        self.pooled = AcceptanceTally(max_depth)  # every request's steps: the prior of new ones
+        self.pooled = AcceptanceTally(max_depth)  # every request's chain steps: the prior of new ones
+        self.pooled_tree = AcceptanceTally(max_depth)  # every request's tree steps
         self.lookups = AcceptanceTally(self.lookup_depth)  # prompt-lookup steps, apart from the head's
         self.unit: float | None = None  # seconds per cost unit (measured)
         self.draft: float | None = None  # seconds per drafted token per row (measured)
@@ -153,12 +158,29 @@ class SpeculationPolicy:
         return c[hi] + (c[hi] - c[lo]) / (hi - lo) * (rows - hi)
 
     def prior(self) -> list[float]:
-        """Server-wide acceptance by depth (0.5 where nothing was measured yet: worth a probe)."""
-        return [p / t if t else 0.5 for p, t in zip(self.pooled.passed[1:], self.pooled.tried[1:])]
+        """Server-wide acceptance by depth: the pooled counts with :data:`PRIOR_STEPS` steps at 0.5
+        (worth a probe) before any were measured, so a server's first few drafts do not decide
+        alone (one rejected first draft read as 0% acceptance kept a server plain until probes)."""
+        return _smoothed(self.pooled)
+
+    def tree_prior(self) -> list[float]:
+        """Server-wide acceptance by depth of the tree steps (smoothed as :meth:`prior`)."""
+        return _smoothed(self.pooled_tree)
+
+    def estimates(self, monitors: list) -> list[tuple[list[float], list[float] | None]]:
+        """Per request (chain acceptance, tree acceptance or None for a request without a tree)."""
+        prior, tprior = self.prior(), self.tree_prior()
+        return [(m.acceptance(prior), m.acceptance(tprior, tree=True) if getattr(m, "tree_nodes", None) else None)
+                for m in monitors]
+
+    def tokens(self, estimate: tuple[list[float], list[float] | None], depth: int) -> float:
+        """Expected tokens of one request's step at ``depth`` (its tree's figures at full depth)."""
+        chain, tree = estimate
+        return expected_tokens(tree if tree is not None and depth == self.max_depth else chain, depth)
 
     def lookup_acceptance(self) -> list[float]:
-        """Pooled acceptance by depth of the prompt-lookup drafts (0.5 where nothing was measured)."""
-        return [p / t if t else 0.5 for p, t in zip(self.lookups.passed[1:], self.lookups.tried[1:])]
+        """Pooled acceptance by depth of the prompt-lookup drafts (smoothed as :meth:`prior`)."""
+        return _smoothed(self.lookups)
 
     def record_lookup(self, depth_drafted: int, accepted: int) -> None:
         """One verified prompt-lookup step (not the head's: its monitor and prior are left alone)."""
@@ -170,16 +192,16 @@ class SpeculationPolicy:
         none) instead of ``depths[b]`` (from :meth:`choose`): rows in order, each taken when that raises
         the batch's expected rate (tokens per second of :meth:`rate`; a lookup draft costs its rows in
         the forward and nothing to draft)."""
-        prior, look = self.prior(), self.lookup_acceptance()
-        acc = [m.acceptance(prior) for m in monitors]
-        tokens = sum(expected_tokens(a, k) for a, k in zip(acc, depths))
+        look = self.lookup_acceptance()
+        est = self.estimates(monitors)
+        tokens = sum(self.tokens(e, k) for e, k in zip(est, depths))
         rows, drafted = sum(_rows(m, k) for m, k in zip(monitors, depths)), sum(depths)
         take = [False] * len(depths)
         for b, n in enumerate(lengths):
             if n <= 0:
                 continue
             n = min(n, self.lookup_depth)
-            t2 = tokens - expected_tokens(acc[b], depths[b]) + expected_tokens(look, n)
+            t2 = tokens - self.tokens(est[b], depths[b]) + expected_tokens(look, n)
             r2, d2 = rows - _rows(monitors[b], depths[b]) + n + 1, drafted - depths[b]
             if t2 / self.seconds(r2, d2) >= tokens / self.seconds(rows, drafted):
                 take[b] = True
@@ -198,19 +220,22 @@ class SpeculationPolicy:
             d = draft_seconds / drafted
             self.draft = d if self.draft is None else 0.8 * self.draft + 0.2 * d
 
-    def record(self, monitor: AcceptanceMonitor, depth_drafted: int, accepted: int) -> None:
-        """One request's verified step; switches its speculation off when it no longer pays."""
+    def record(self, monitor: AcceptanceMonitor, depth_drafted: int, accepted: int, tree: bool = False) -> None:
+        """One request's verified step (``tree``: a draft tree, not a chain); switches its
+        speculation off when it no longer pays."""
         if depth_drafted:
-            self.pooled.record(depth_drafted, accepted)
-        monitor.record(depth_drafted, accepted)
-        if monitor.speculating and len(monitor.steps) >= self.min_steps and self.best_depth([monitor]) == 0:
+            (self.pooled_tree if tree else self.pooled).record(depth_drafted, accepted)
+        monitor.record(depth_drafted, accepted, tree)
+        if monitor.speculating and len(monitor.steps) + len(monitor.tree_steps) >= self.min_steps and \
+                self.best_depth([monitor]) == 0:
             monitor.switch_off()
 
     # -- the decision ----------------------------------------------------------------------
-    def rate(self, acceptances: list[list[float]], depths: list[int], monitors: list | None = None) -> float:
-        """Expected tokens per second (per cost unit before anything is measured) of one step
-        (``monitors`` price each request's rows at its depth; None: chains)."""
-        tokens = sum(expected_tokens(a, k) for a, k in zip(acceptances, depths))
+    def rate(self, estimates: list, depths: list[int], monitors: list | None = None) -> float:
+        """Expected tokens per second (per cost unit before anything is measured) of one step:
+        ``estimates`` from :meth:`estimates` (or plain per-depth acceptance lists: chains);
+        ``monitors`` price each request's rows at its depth (None: chains)."""
+        tokens = sum(self.tokens(e if isinstance(e, tuple) else (e, None), k) for e, k in zip(estimates, depths))
         rows = sum(_rows(m, k) for m, k in zip(monitors, depths)) if monitors else sum(k + 1 for k in depths)
         return tokens / self.seconds(rows, sum(depths))
 
@@ -224,8 +249,7 @@ class SpeculationPolicy:
     def best_depth(self, monitors: list[AcceptanceMonitor]) -> int:
         """The depth (0 = none) that maximises the batch's expected rate, the speculating
         requests drafting that deep and the others plain."""
-        prior = self.prior()
-        acc = [m.acceptance(prior) for m in monitors]
+        acc = self.estimates(monitors)
         on = [m.speculating for m in monitors]
         if not any(on):
             return 0
@@ -249,6 +273,14 @@ class SpeculationPolicy:
         if k:
             self._since_draft = 0
         return [k if m.speculating else 0 for m in monitors]
+
+
+#: pseudo-steps at 50% acceptance behind every pooled figure (see SpeculationPolicy.prior)
+PRIOR_STEPS = 8
+
+
+def _smoothed(tally: AcceptanceTally) -> list[float]:
+    return [(p + 0.5 * PRIOR_STEPS) / (t + PRIOR_STEPS) for p, t in zip(tally.passed[1:], tally.tried[1:])]
 
 
 def _rows(monitor, depth: int) -> int:

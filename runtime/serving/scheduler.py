@@ -494,8 +494,8 @@ class ServingEngine:
         depth_drafted = int(tree_depths(d.parents).max()) if n_drafted else 0
         if looked:  # a prompt-lookup draft: its own figures, not the head's
             self.policy.record_lookup(depth_drafted, n_acc)
-        elif s.drafter is not None:
-            self.policy.record(s.monitor, depth_drafted, n_acc)
+        elif s.drafter is not None:  # a tree has more drafts than depth
+            self.policy.record(s.monitor, depth_drafted, n_acc, tree=n_drafted > depth_drafted)
         st = s.stats
         st.target_forwards += 1
         st.drafted += n_drafted
