@@ -101,3 +101,65 @@ def test_ttt_unroll_equals_dense_masked_attention(ttt_steps):
     assert new_grads.keys() == ref_grads.keys() and "layer.self_attn.k_proj.weight" in ref_grads
     for k in ref_grads:
         torch.testing.assert_close(new_grads[k], ref_grads[k], rtol=1e-9, atol=1e-10, msg=k)
+
+
+def _forward_per_step(method, batch):
+    """The EAGLE-3 loss written per TTT step: step ``j``'s target distribution from its own rows
+    ``last_hidden[:, 1+j : 1+j+n]`` and top-1 agreement by ``argmax`` (what :meth:`Eagle3Method.forward`
+    computes once over rows ``1..L-2`` and slices)."""
+    valid = batch["attention_mask"].bool() & batch["loss_mask"].bool()
+    total, metrics = 0.0, {}
+    for j, out in enumerate(method.unroll(batch["input_ids"], batch["features"])):
+        n = out.shape[1] - 1
+        q = method.head.compute_logits(out[:, :n])
+        with torch.no_grad():
+            p = torch.softmax(method.target_logits(batch["last_hidden"][:, 1 + j : 1 + j + n]), dim=-1)
+        mask = valid[:, 2 + j : 2 + j + n]
+        ce = -(p * torch.log_softmax(q, dim=-1)).sum(-1)
+        loss = (ce * mask).sum() / mask.sum()
+        total = total + method.decay**j * loss
+        metrics[f"loss/step{j}"] = float(loss)
+        metrics[f"top1/step{j}"] = float(((q.argmax(-1) == p.argmax(-1)) & mask).sum() / mask.sum())
+    return total, metrics
+
+
+def test_forward_shares_the_target_distribution_across_steps():
+    """One target softmax and top-1 over all rows, sliced per step, give every step's loss,
+    agreement and the head's gradients of the per-step computation (float64, a reduced draft
+    vocabulary, a masked prompt)."""
+    target = tiny_llama(0)
+    head = Eagle3Head.from_target(target, draft_vocab_size=40).to(torch.float64)
+    method = Eagle3Method(head, target.lm_head, ttt_steps=3)
+    batch = _batch(target, head, B=3, L=14, seed=2)
+    batch["loss_mask"][:, :4] = False
+    batch["loss_mask"][1, 9] = False
+    results = []
+    for fwd in (method, lambda b: _forward_per_step(method, b)):
+        head.zero_grad()
+        loss, metrics = fwd(batch)
+        loss.backward()
+        results.append((float(loss), metrics, {k: p.grad.clone() for k, p in head.named_parameters()
+                                               if p.grad is not None}))
+    (loss, metrics, grads), (ref_loss, ref_metrics, ref_grads) = results
+    assert loss == pytest.approx(ref_loss, rel=1e-12)
+    for j in range(3):
+        assert metrics[f"loss/step{j}"] == pytest.approx(ref_metrics[f"loss/step{j}"], rel=1e-12)
+        assert metrics[f"top1/step{j}"] == ref_metrics[f"top1/step{j}"]
+    assert 0 < sum(metrics[f"top1/step{j}"] for j in range(3)) < 3  # agreement neither none nor all
+    assert grads.keys() == ref_grads.keys() and "lm_head.weight" in grads
+    for k in ref_grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-10, atol=1e-12, msg=k)
+
+
+def test_top1_is_argmax():
+    """:func:`top1` (``max``'s indices) is ``argmax``: the first of tied maxima, NaN as the
+    maximum, rows of ``-inf``, bfloat16, a non-contiguous slice."""
+    from specfoundry.train.methods.common import top1
+
+    g = torch.Generator().manual_seed(0)
+    for V, hi in ((2048, 3), (37, 2), (64, 50)):
+        x = torch.randint(0, hi, (4, 9, V), generator=g).double()  # many ties
+        x[0, 1, 5] = float("nan")
+        x[1, 2] = float("-inf")
+        for t in (x, x[:, 2:], x.bfloat16(), x.float()[1:, ::2]):
+            assert torch.equal(top1(t), t.argmax(-1))

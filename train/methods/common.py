@@ -9,13 +9,29 @@ import torch.nn.functional as F
 from specfoundry.runtime.adaptive import expected_tokens
 
 
-def soft_ce(q_logits: torch.Tensor, p: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean over ``mask`` of ``-sum p log softmax(q)``, and the top-1 agreement rate (no grad)."""
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 when it is narrower (bfloat16 logits under autocast); float64 stays."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def top1(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)``: the index of the first maximum (ties and NaN as ``argmax``), taken from
+    ``max``'s indices, whose CPU kernel is ~2-4x faster than ``argmax``'s over a vocabulary."""
+    return x.max(-1).indices
+
+
+def soft_ce(q_logits: torch.Tensor, p: torch.Tensor, mask: torch.Tensor,
+            p_top1: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean over ``mask`` of ``-sum p log softmax(q)``, and the top-1 agreement rate (no grad).
+
+    ``p_top1``: ``p``'s top-1 (:func:`top1`) when the caller already has it."""
     denom = mask.sum().clamp(min=1)
-    ce = -(p * F.log_softmax(q_logits.float(), dim=-1)).sum(-1)
+    q = at_least_float32(q_logits)
+    ce = -(p * F.log_softmax(q, dim=-1)).sum(-1)
     loss = (ce * mask).sum() / denom
     with torch.no_grad():
-        agree = ((q_logits.argmax(-1) == p.argmax(-1)) & mask).sum() / denom
+        # the float copy has the bfloat16 logits' order exactly, and max is cheaper over float32
+        agree = ((top1(q) == (top1(p) if p_top1 is None else p_top1)) & mask).sum() / denom
     return loss, agree
 
 

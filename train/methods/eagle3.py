@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import finish_metrics, soft_ce
+from .common import at_least_float32, finish_metrics, soft_ce, top1
 
 
 class Eagle3Method(torch.nn.Module):
@@ -102,6 +102,13 @@ class Eagle3Method(torch.nn.Module):
         input_ids = batch["input_ids"]
         valid = batch["attention_mask"].bool() & batch["loss_mask"].bool()
         outs = self.unroll(input_ids, batch["features"])
+        L = input_ids.shape[1]
+        with torch.no_grad():
+            # step j's start s predicts token s+2+j, whose target distribution is the LM head's
+            # over last_hidden[s+1+j]: step j's rows are rows 1+j..L-2, a suffix of step 0's,
+            # so one product, softmax and top-1 over rows 1..L-2 serve every step (sliced)
+            p_all = torch.softmax(at_least_float32(self.target_logits(batch["last_hidden"][:, 1 : L - 1])), dim=-1)
+            top_all = top1(p_all)
         total = 0.0
         metrics = {}
         acc = []
@@ -109,11 +116,9 @@ class Eagle3Method(torch.nn.Module):
             n = out.shape[1] - 1  # starts s whose predicted token s+2+j exists
             if n < 1:
                 break
-            q_logits = self.head.compute_logits(out[:, :n]).float()
-            with torch.no_grad():
-                p = torch.softmax(self.target_logits(batch["last_hidden"][:, 1 + j : 1 + j + n]).float(), dim=-1)
+            q_logits = at_least_float32(self.head.compute_logits(out[:, :n]))
             mask = valid[:, 2 + j : 2 + j + n]
-            step_loss, agree = soft_ce(q_logits, p, mask)
+            step_loss, agree = soft_ce(q_logits, p_all[:, j : j + n], mask, top_all[:, j : j + n])
             total = total + (self.decay**j) * step_loss
             metrics[f"loss/step{j}"] = float(step_loss.detach())
             metrics[f"top1/step{j}"] = float(agree)
