@@ -129,16 +129,17 @@ class SlotDrafts:
         """A chain of ``depth`` drafts below each root (``roots[i]``: row ``rows[i]``'s last committed
         token); a row whose head has no output yet (a one-token prompt) gets the root alone.
         ``nodes`` > ``depth + 1`` (greedy rows only): a tree of that many nodes (:meth:`_trees`)."""
+        tree = nodes is not None and nodes > depth + 1
+        if tree and not all(sp.greedy for sp in sampling):
+            raise ValueError("draft trees in serving are greedy only: sampling rows draft chains")
         if depth < 1 or not rows:
             return [Draft.root_only(r.view(-1)[-1:]) for r in roots]
-        if nodes is not None and nodes > depth + 1:
-            if not all(sp.greedy for sp in sampling):
-                raise ValueError("draft trees in serving are greedy only: sampling rows draft chains")
-            return self._trees(rows, roots, depth, nodes, top_k)
         self._run(rows)
         live = [i for i, r in enumerate(rows) if self._root[r] is not None]
         if not live:
             return [Draft.root_only(r.view(-1)[-1:]) for r in roots]
+        if tree:
+            return self._trees(rows, roots, live, depth, nodes, top_k)
         if any(self.lengths[rows[i]] + depth - 1 > self.capacity for i in live):
             raise ValueError(f"a row's draft would exceed the drafting cache ({self.capacity} entries)")
         head = self.head
@@ -166,31 +167,23 @@ class SlotDrafts:
             if d + 1 < depth:  # the next depth reads this draft: one entry per row past its committed pairs
                 h = head.step_rows(target_tok.view(-1, 1), h.view(len(live), 1, -1), self.kv, rows_t, base + d)[:, 0]
         V = head.architecture["vocab_size"]
-        drafts: list[Draft] = []
-        by_row = {i: j for j, i in enumerate(live)}
-        for i, root in enumerate(roots):
-            root = root.view(-1)[-1:]
-            j = by_row.get(i)
-            if j is None:
-                drafts.append(Draft.root_only(root))
-                continue
-            chain = torch.stack([t[j] for t in tokens]).view(1, depth)
+
+        def chain(j: int, root: torch.Tensor) -> Draft:
             q = None
             if not greedy[j]:
                 qd = torch.stack([qs[d][j] for d in range(depth)])  # [depth, Vd]
                 q = qd if d2t is None else qd.new_zeros(depth, V).index_copy_(1, d2t, qd)
                 q = q.unsqueeze(0)
-            drafts.append(Draft.chain(root.to(dev), chain, q))
-        return drafts
+            return Draft.chain(root.to(dev), torch.stack([t[j] for t in tokens]).view(1, depth), q)
 
-    def _trees(self, rows: list[int], roots: list[torch.Tensor], depth: int, nodes: int, top_k: int) -> list[Draft]:
-        """Greedy EAGLE-2 trees for every row at once: what the per-request drafter's tree search
-        (``EagleDrafter._grow_greedy``) builds for each row, with one head forward per depth for all
-        rows (every row expands the same number of nodes per depth, so the frontier is a tensor)."""
-        self._run(rows)
-        live = [i for i, r in enumerate(rows) if self._root[r] is not None]
-        if not live:
-            return [Draft.root_only(r.view(-1)[-1:]) for r in roots]
+        return _assemble(roots, live, chain)
+
+    def _trees(self, rows: list[int], roots: list[torch.Tensor], live: list[int], depth: int, nodes: int,
+               top_k: int) -> list[Draft]:
+        """Greedy EAGLE-2 trees for the ``live`` rows at once: what the per-request drafter's tree
+        search (``EagleDrafter._grow_greedy``) builds for each row, with one head forward per depth
+        for all rows (every row expands the same number of nodes per depth, so the frontier is a
+        tensor)."""
         head = self.head
         d2t = head.draft_to_target
         dev = head.device
@@ -233,15 +226,22 @@ class SlotDrafts:
             front_idx, front_score = child_idx[sel], torch.gather(child_score, 1, sel)
         tok, par_all, score = torch.cat(tokens, dim=1), torch.cat(parents, dim=1), torch.cat(scores, dim=1)
         budget = min(nodes - 1, tok.shape[1])
-        drafts: list[Draft] = []
-        by_row = {i: j for j, i in enumerate(live)}
-        for i, root in enumerate(roots):
-            root = root.view(-1)[-1:]
-            j = by_row.get(i)
-            if j is None:
-                drafts.append(Draft.root_only(root))
-                continue
+
+        def tree(j: int, root: torch.Tensor) -> Draft:
             # the best `budget` nodes; the stable sort breaks ties by index (parents first)
             keep = torch.sort(-score[j], stable=True).indices[:budget].sort().values
-            drafts.append(subtree(root.to(dev), tok[j], par_all[j], keep, None))
-        return drafts
+            return subtree(root.to(dev), tok[j], par_all[j], keep, None)
+
+        return _assemble(roots, live, tree)
+
+
+def _assemble(roots: list[torch.Tensor], live: list[int], make) -> list[Draft]:
+    """One draft per root: ``make(j, root)`` for the ``j``-th live row, the root alone for a row
+    whose head has no output yet."""
+    by_row = {i: j for j, i in enumerate(live)}
+    drafts = []
+    for i, root in enumerate(roots):
+        root = root.view(-1)[-1:]
+        j = by_row.get(i)
+        drafts.append(Draft.root_only(root) if j is None else make(j, root))
+    return drafts
