@@ -35,7 +35,9 @@ steps are kept out of the head's acceptance figures.
 
 A table in the style of vLLM's ``num_speculative_tokens_per_batch_size`` (``"1-4:3,5-8:1,9-:0"``)
 overrides the cost model's depth; the per-request monitor still applies. When the estimates
-say no depth pays, a depth-1 probe still runs every ``probe_every`` steps so they stay current.
+say no depth pays, a depth-1 probe still runs every ``probe_every`` steps so they stay current, on
+at most ``probe_rows`` requests (taken in turn): a probe of every row of a large batch made each
+of them catch its head up on its whole prompt (:mod:`.drafts` runs a row's head lazily).
 """
 
 from __future__ import annotations
@@ -119,7 +121,8 @@ class SpeculationPolicy:
     """
 
     def __init__(self, max_depth: int, cost=None, table: str | None = None, *, window: int = 16,
-                 reprobe: int = 32, min_steps: int = 4, probe_every: int = 64, lookup_depth: int | None = None):
+                 reprobe: int = 32, min_steps: int = 4, probe_every: int = 64, lookup_depth: int | None = None,
+                 probe_rows: int = 2):
         self.max_depth = max_depth  # the head's
         self.lookup_depth = max_depth if lookup_depth is None else lookup_depth  # a lookup chain's
         self._cost = cost
@@ -127,8 +130,9 @@ class SpeculationPolicy:
         self.window, self.reprobe, self.min_steps = window, reprobe, min_steps
         # when the estimates say "never speculate", one depth-1 step every probe_every steps keeps
         # them current (traffic changes; the server-wide prior would otherwise never move again)
-        self.probe_every = probe_every
+        self.probe_every, self.probe_rows = probe_every, probe_rows
         self._since_draft = 0
+        self._probes = 0  # probes so far: whose turn it is
         self.pooled = AcceptanceTally(max_depth)  # every request's chain steps: the prior of new ones
         self.pooled_tree = AcceptanceTally(max_depth)  # every request's tree steps
         self.lookups = AcceptanceTally(self.lookup_depth)  # prompt-lookup steps, apart from the head's
@@ -269,7 +273,12 @@ class SpeculationPolicy:
             if k == 0 and any(m.speculating for m in monitors):
                 self._since_draft += 1
                 if self._since_draft >= self.probe_every:
-                    k = 1
+                    self._since_draft = 0
+                    on = [b for b, m in enumerate(monitors) if m.speculating]
+                    start = self._probes * self.probe_rows
+                    self._probes += 1
+                    probed = {on[(start + i) % len(on)] for i in range(min(self.probe_rows, len(on)))}
+                    return [1 if b in probed else 0 for b in range(len(monitors))]
         if k:
             self._since_draft = 0
         return [k if m.speculating else 0 for m in monitors]

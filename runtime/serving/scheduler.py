@@ -356,6 +356,7 @@ class ServingEngine:
             return
         seqs, dev = self._seqs, self.engine.device
         t0 = time.perf_counter()
+        caught_up = self.slot_drafts.catchup_seconds if self.slot_drafts is not None else 0.0
         monitors = [s.monitor if s.drafter is not None else _OFF for s in seqs]
         depths = self.policy.choose(monitors)
         drafts, failed = [None] * len(seqs), {}
@@ -439,8 +440,10 @@ class ServingEngine:
         t3 = time.perf_counter()
         # head forwards per row: a tree k deep costs k, as a chain of k does
         drafted = sum(int(d.depths.max()) for d, lk in zip(drafts, looked) if not lk and d.num_nodes > 1)
+        # rows catching their head up on a prompt: once per request, not a cost per drafted depth
+        catchup = self.slot_drafts.catchup_seconds - caught_up if self.slot_drafts is not None else 0.0
         if not chunks:  # the cost model's unit is a decode forward's (a prefill chunk would skew it)
-            self.policy.record_step(t2 - t1, sum(counts), (t1 - t0) + (t3 - t2), drafted)
+            self.policy.record_step(t2 - t1, sum(counts), (t1 - t0) + (t3 - t2) - catchup, drafted)
         self.steps += 1
         self.metrics.step(B, queued, sum(1 for d in drafts if d.num_nodes > 1), t3 - t0)
         finished = []
