@@ -179,3 +179,29 @@ def test_serving_with_slot_drafts_keeps_the_target_distribution():
     flat = {k: 1.0 / len(exact) for k in exact}
     p_wrong, _ = goodness_of_fit(flat, counts, n)
     assert p_wrong < 1e-3
+
+
+def test_no_lookup_rows_in_steps_that_prefill_while_the_head_is_off(target, monkeypatch):
+    """Under load (the head off) a step that also prefills a prompt takes no prompt-lookup rows:
+    they would take the prompts' share of the forward (measured: load-aware lost 6-13% to off at
+    32 clients); decode-only steps still consider them, and every output is its solo output."""
+    from specfoundry.runtime.drafters.lookup import with_lookup
+    from specfoundry.runtime.serving.policy import SpeculationPolicy
+
+    d = with_lookup(load_drafter("eagle3", target), 2)
+    ps = [[1, 2, 3, 4] * 6 + [i] for i in range(6)]  # repeated patterns: lookups find matches
+    want = solo(target, ps)
+    seen = {"prefilling": 0, "decode_only": 0}
+    real = SpeculationPolicy.take_lookups
+    engines = []
+
+    def spy(self, monitors, depths, lengths):
+        seen["prefilling" if engines[0]._filling else "decode_only"] += 1
+        return real(self, monitors, depths, lengths)
+
+    monkeypatch.setattr(SpeculationPolicy, "take_lookups", spy)
+    with ServingEngine(target, d, max_batch=3, max_queue=16, speculation_table="1-:0", max_step_tokens=8) as eng:
+        engines.append(eng)
+        got = [h.result() for h in [eng.submit(Request(p, max_new_tokens=24, stop_at_eos=False)) for p in ps]]
+    assert [x[0] for x in got] == want
+    assert seen["prefilling"] == 0 and seen["decode_only"] > 0

@@ -365,7 +365,12 @@ class ServingEngine:
         found = [s.lookup.chain(s.ids[:, -1], min(s.lookup.default_depth, self.max_depth))
                  if s.lookup is not None and s.monitor.enabled else None for s in seqs]
         lengths = [f.num_nodes - 1 if f is not None else 0 for f in found]
-        looked = self.policy.take_lookups(monitors, depths, lengths) if any(lengths) else [False] * len(seqs)
+        # a step that also prefills while the policy has the head off (high load): no lookup rows either;
+        # they take the prompts' share of the forward and delay admissions (measured at 32 clients:
+        # lookups taken in such steps cost load-aware 6-13% against off)
+        crowded = bool(self._filling) and not any(depths)
+        looked = self.policy.take_lookups(monitors, depths, lengths) if any(lengths) and not crowded \
+            else [False] * len(seqs)
         batched: dict[tuple[int, int], list[int]] = {}  # (depth, nodes) -> rows drafted together by the slot drafts
         for b, (s, k) in enumerate(zip(seqs, depths)):
             if looked[b]:
