@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MaskBuffer", "StaticKVCache", "attend", "grouped_attention", "rotate"]
+__all__ = ["MaskBuffer", "StaticKVCache", "attend", "grouped_attention", "rotate", "row_mask"]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -44,6 +44,20 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     qg = q.reshape(B, n, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, hkv, g * n, D)
     o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
     return o.view(B, hkv, g, n, D).permute(0, 3, 1, 2, 4).reshape(B, n, hq * D)
+
+
+def row_mask(starts: torch.Tensor, block: torch.Tensor, groups: int) -> torch.Tensor:
+    """Bool ``[B, 1, g*n, max(starts)+k]`` for rows of unequal length (the serving slots' forward,
+    the heads' batched drafting): row ``b`` sees its first ``starts[b]`` columns and, over columns
+    ``starts[b] .. starts[b]+k``, what ``block`` ``[B, n, k]`` allows (``k = n``: the new tokens'
+    own block; ``k > n``: a draft tree's earlier entries as well)."""
+    B, n, k = block.shape
+    cols = int(starts.max()) + k
+    col = torch.arange(cols, device=block.device)
+    m = (col.view(1, 1, cols) < starts.view(B, 1, 1)).expand(B, n, cols).clone()
+    write = starts.view(B, 1) + torch.arange(k, device=block.device)
+    m.scatter_(2, write.view(B, 1, k).expand(B, n, k), block)
+    return m.repeat(1, groups, 1).unsqueeze(1)
 
 
 class MaskBuffer:

@@ -174,8 +174,7 @@ class SpeculationPolicy:
     def estimates(self, monitors: list) -> list[tuple[list[float], list[float] | None]]:
         """Per request (chain acceptance, tree acceptance or None for a request without a tree)."""
         prior, tprior = self.prior(), self.tree_prior()
-        return [(m.acceptance(prior), m.acceptance(tprior, tree=True) if getattr(m, "tree_nodes", None) else None)
-                for m in monitors]
+        return [(m.acceptance(prior), m.acceptance(tprior, tree=True) if m.tree_nodes else None) for m in monitors]
 
     def tokens(self, estimate: tuple[list[float], list[float] | None], depth: int) -> float:
         """Expected tokens of one request's step at ``depth`` (its tree's figures at full depth)."""
@@ -199,14 +198,14 @@ class SpeculationPolicy:
         look = self.lookup_acceptance()
         est = self.estimates(monitors)
         tokens = sum(self.tokens(e, k) for e, k in zip(est, depths))
-        rows, drafted = sum(_rows(m, k) for m, k in zip(monitors, depths)), sum(depths)
+        rows, drafted = sum(m.rows(k) for m, k in zip(monitors, depths)), sum(depths)
         take = [False] * len(depths)
         for b, n in enumerate(lengths):
             if n <= 0:
                 continue
             n = min(n, self.lookup_depth)
             t2 = tokens - self.tokens(est[b], depths[b]) + expected_tokens(look, n)
-            r2, d2 = rows - _rows(monitors[b], depths[b]) + n + 1, drafted - depths[b]
+            r2, d2 = rows - monitors[b].rows(depths[b]) + n + 1, drafted - depths[b]
             if t2 / self.seconds(r2, d2) >= tokens / self.seconds(rows, drafted):
                 take[b] = True
                 tokens, rows, drafted = t2, r2, d2
@@ -235,13 +234,11 @@ class SpeculationPolicy:
             monitor.switch_off()
 
     # -- the decision ----------------------------------------------------------------------
-    def rate(self, estimates: list, depths: list[int], monitors: list | None = None) -> float:
+    def rate(self, monitors: list[AcceptanceMonitor], estimates: list, depths: list[int]) -> float:
         """Expected tokens per second (per cost unit before anything is measured) of one step:
-        ``estimates`` from :meth:`estimates` (or plain per-depth acceptance lists: chains);
-        ``monitors`` price each request's rows at its depth (None: chains)."""
-        tokens = sum(self.tokens(e if isinstance(e, tuple) else (e, None), k) for e, k in zip(estimates, depths))
-        rows = sum(_rows(m, k) for m, k in zip(monitors, depths)) if monitors else sum(k + 1 for k in depths)
-        return tokens / self.seconds(rows, sum(depths))
+        ``estimates`` from :meth:`estimates`, each request's rows priced by its monitor."""
+        tokens = sum(self.tokens(e, k) for e, k in zip(estimates, depths))
+        return tokens / self.seconds(sum(m.rows(k) for m, k in zip(monitors, depths)), sum(depths))
 
     def seconds(self, rows: int, drafted: int) -> float:
         """Expected seconds (cost units before anything is measured) of a step verifying ``rows``
@@ -258,7 +255,7 @@ class SpeculationPolicy:
         if not any(on):
             return 0
         return max(range(self.max_depth + 1),
-                   key=lambda k: (self.rate(acc, [k if o else 0 for o in on], monitors), -k))
+                   key=lambda k: (self.rate(monitors, acc, [k if o else 0 for o in on]), -k))
 
     def choose(self, monitors: list[AcceptanceMonitor]) -> list[int]:
         """This step's depth for each request of the batch."""
@@ -290,9 +287,3 @@ PRIOR_STEPS = 8
 
 def _smoothed(tally: AcceptanceTally) -> list[float]:
     return [(p + 0.5 * PRIOR_STEPS) / (t + PRIOR_STEPS) for p, t in zip(tally.passed[1:], tally.tried[1:])]
-
-
-def _rows(monitor, depth: int) -> int:
-    """Verified rows of ``monitor``'s request at ``depth`` (a monitor without trees: a chain's)."""
-    rows = getattr(monitor, "rows", None)
-    return rows(depth) if rows is not None else depth + 1

@@ -316,7 +316,7 @@ class ServingEngine:
                     seq.drafter.commit(new, feats[:, -1:] if self.feature_layers else None)
             except Exception as e:  # noqa: BLE001
                 self._drop_drafter(seq, e)
-        self._emit(row, seq, draft, 0, 0, new, time.perf_counter(), finished)
+        self._emit(row, seq, draft, 0, False, 0, new, time.perf_counter(), finished)
 
     def _drop_cancelled(self) -> None:
         for row in range(len(self._seqs) - 1, -1, -1):
@@ -398,11 +398,14 @@ class ServingEngine:
         tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
         positions = torch.zeros(B, N, dtype=torch.long, device=dev)
         block = torch.eye(N, dtype=torch.bool, device=dev).repeat(B, 1, 1)  # padding sees itself only
+        depth_of = []  # each draft's depth (a tree k deep has more nodes than k)
         for b, d in enumerate(drafts):
             n = d.num_nodes
             tokens[b, :n] = d.tokens[0]
             positions[b] = self.slots.lengths[b]
-            positions[b, :n] += tree_depths(d.parents)[0]
+            node_depths = tree_depths(d.parents)[0]
+            positions[b, :n] += node_depths
+            depth_of.append(int(node_depths.max()) if n > 1 else 0)
             if n > 1:
                 block[b, :n, :n] = ancestor_matrix(d.parents)[0]
         counts = [d.num_nodes for d in drafts]  # only real nodes run through the linears (forward_mixed)
@@ -444,7 +447,7 @@ class ServingEngine:
                     self._drop_drafter(s, e)
         t3 = time.perf_counter()
         # head forwards per row: a tree k deep costs k, as a chain of k does
-        drafted = sum(int(d.depths.max()) for d, lk in zip(drafts, looked) if not lk and d.num_nodes > 1)
+        drafted = sum(k for k, lk in zip(depth_of, looked) if not lk)
         # rows catching their head up on a prompt: once per request, not a cost per drafted depth
         catchup = self.slot_drafts.catchup_seconds - caught_up if self.slot_drafts is not None else 0.0
         if not chunks:  # the cost model's unit is a decode forward's (a prefill chunk would skew it)
@@ -457,7 +460,7 @@ class ServingEngine:
             if b in failed:
                 finished.append((b, "error"))
             else:
-                self._emit(b, s, d, looked[b], accepted[b], news[b], now, finished)
+                self._emit(b, s, d, depth_of[b], looked[b], accepted[b], news[b], now, finished)
         self._errors = failed
         for row, reason in sorted(finished, reverse=True):
             self._finish(row, reason)
@@ -496,10 +499,9 @@ class ServingEngine:
                                     self.feature_layers)
         self._chunks_done(chunks, features)
 
-    def _emit(self, b: int, s: _Seq, d: Draft, looked: bool, n_acc: int, new: torch.Tensor, now: float,
-              finished: list) -> None:
+    def _emit(self, b: int, s: _Seq, d: Draft, depth_drafted: int, looked: bool, n_acc: int, new: torch.Tensor,
+              now: float, finished: list) -> None:
         n_drafted = d.num_nodes - 1
-        depth_drafted = int(tree_depths(d.parents).max()) if n_drafted else 0
         if looked:  # a prompt-lookup draft: its own figures, not the head's
             self.policy.record_lookup(depth_drafted, n_acc)
         elif s.drafter is not None:  # a tree has more drafts than depth
@@ -560,6 +562,10 @@ class _Off:
     """The monitor of a sequence without a drafter."""
 
     speculating = False
+    tree_nodes = None
+
+    def rows(self, depth):
+        return depth + 1
 
     def acceptance(self, prior):
         return prior

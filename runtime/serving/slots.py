@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..engine import LlamaEngine, StaticKVCache, attend, grouped_attention
+from ..kvcache import row_mask
 from ..target import TargetOutput
 
 
@@ -125,18 +126,6 @@ def row_groups(cols: list[int], overhead: int | None = None) -> list[tuple[int, 
     return groups[::-1]
 
 
-def row_mask(lengths: torch.Tensor, block: torch.Tensor, groups: int) -> torch.Tensor:
-    """Bool ``[B, 1, g*n, max(lengths)+n]``: row ``b`` sees its own ``lengths[b]`` committed entries
-    and, over its new entries at ``lengths[b] .. lengths[b]+n``, what ``block`` ``[B, n, n]`` allows."""
-    B, n = block.shape[0], block.shape[1]
-    cols = int(lengths.max()) + n
-    col = torch.arange(cols, device=block.device)
-    m = (col.view(1, 1, cols) < lengths.view(B, 1, 1)).expand(B, n, cols).clone()
-    write = lengths.view(B, 1) + torch.arange(n, device=block.device)
-    m.scatter_(2, write.view(B, 1, n).expand(B, n, n), block)
-    return m.repeat(1, groups, 1).unsqueeze(1)
-
-
 def forward_slots(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor,
                   block: torch.Tensor | None = None, feature_layers: tuple[int, ...] = (),
                   counts: list[int] | None = None) -> TargetOutput:
@@ -196,10 +185,13 @@ def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
         m = None if c == 1 else torch.ones(c, pc.length + c, dtype=torch.bool, device=dev).tril(pc.length)
         masks.append(None if m is None else m.repeat(engine.groups, 1).view(1, 1, engine.groups * c, -1))
 
-    def padded(t: torch.Tensor) -> torch.Tensor:  # [T, heads, D] real tokens -> [B, n, heads, D]
+    def padded(t: torch.Tensor, fill: bool = True) -> torch.Tensor:
+        """Real tokens ``[T, ...]`` -> ``[B, n, ...]``; padding zero (``fill``: Q/K/V, whose padding is
+        computed and written to the cache: garbage there could be NaN) or left unset (outputs)."""
         if real is None:
             return t.view(B, n, *t.shape[1:])
-        return t.new_zeros(B * n, *t.shape[1:]).index_copy_(0, real, t).view(B, n, *t.shape[1:])
+        out = t.new_zeros(B * n, *t.shape[1:]) if fill else t.new_empty(B * n, *t.shape[1:])
+        return out.index_copy_(0, real, t).view(B, n, *t.shape[1:])
 
     def attention(i, q, k, v):
         qs, ks, vs = (t[0].split(sizes) for t in (q, k, v))
@@ -220,14 +212,10 @@ def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
     out = engine.finish(x, feats, feature_layers, logits_for)
     features = out.features[0].split(sizes) if out.features is not None else [None] * len(sizes)
 
-    def unpack(t: torch.Tensor) -> torch.Tensor:  # [T, ...] -> [B, n, ...], padding left unset
-        if real is None:
-            return t.view(B, n, *t.shape[1:])
-        return t.new_empty(B * n, *t.shape[1:]).index_copy_(0, real, t).view(B, n, *t.shape[1:])
-
     dec = None
     if B:
-        dec = TargetOutput(logits=unpack(out.logits[0, :T]), features=None if out.features is None else unpack(features[0]))
+        dec = TargetOutput(logits=padded(out.logits[0, :T], fill=False),
+                           features=None if out.features is None else padded(features[0], fill=False))
     return dec, [(out.logits[0, T + j], None if f is None else f.unsqueeze(0)) for j, f in enumerate(features[1:])]
 
 

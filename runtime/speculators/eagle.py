@@ -42,6 +42,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from ..engine import MaskBuffer, PreparedLinears, RopeTable, StaticKVCache, attend, grouped_attention, rms_norm, rotate
+from ..kvcache import row_mask
 from ..target import additive_mask
 from .vocab import set_draft_vocab
 from .eagle_layers import (
@@ -290,17 +291,14 @@ class _EagleBase(nn.Module):
         W = int(lengths.max()) + n
         if W > kv.shape[3]:
             raise ValueError(f"a row would exceed the drafting cache ({kv.shape[3]} entries)")
-        cols = torch.arange(W, device=dev)
         if block is None:  # row b sees its committed entries and its new ones up to itself
-            mask = cols.view(1, 1, W) <= write.view(B, n, 1)
+            cols = torch.arange(W, device=dev)
+            mask = (cols.view(1, 1, W) <= write.view(B, n, 1)).repeat(1, g, 1).unsqueeze(1)
         else:
-            k = block.shape[-1]
-            start = (lengths + n - k).view(B, 1, 1)
-            if bool((start < 0).any()):
-                raise ValueError(f"block covers {k} columns but a row has fewer")
-            mask = (cols.view(1, 1, W) < start).expand(B, n, W).clone()
-            mask.scatter_(2, start + torch.arange(k, device=dev).view(1, 1, k).expand(B, n, k), block.to(dev))
-        mask = mask.repeat(1, g, 1).unsqueeze(1)
+            starts = lengths + n - block.shape[-1]
+            if bool((starts < 0).any()):
+                raise ValueError(f"block covers {block.shape[-1]} columns but a row has fewer")
+            mask = row_mask(starts, block.to(dev), g)
         contiguous = bool((rows == torch.arange(rows[0], rows[0] + B, device=rows.device)).all())
 
         def attention(q, k, v):

@@ -116,7 +116,7 @@ class Eagle3Method(torch.nn.Module):
             n = out.shape[1] - 1  # starts s whose predicted token s+2+j exists
             if n < 1:
                 break
-            q_logits = at_least_float32(self.head.compute_logits(out[:, :n]))
+            q_logits = self.head.compute_logits(out[:, :n])  # soft_ce takes it to float32
             mask = valid[:, 2 + j : 2 + j + n]
             step_loss, agree = soft_ce(q_logits, p_all[:, j : j + n], mask, top_all[:, j : j + n])
             total = total + (self.decay**j) * step_loss
