@@ -54,16 +54,23 @@ def prefilled_slots(target, lens, gen):
 
 
 def test_row_groups_split_where_reading_padded_columns_costs_more_than_a_call():
-    assert row_groups([10, 10, 10], overhead=160) == [(0, 3, 10)]
+    assert row_groups([10, 10, 10], overhead=160) == [(0, 3, 1, 11)]
     # one long row among short ones gets its own range; the short ones share one
-    assert row_groups([50, 1100, 60, 40], overhead=160) == [(0, 1, 50), (1, 2, 1100), (2, 4, 60)]
-    assert row_groups([50, 1100, 60, 40], overhead=10**6) == [(0, 4, 1100)]
-    assert row_groups([5, 9, 7], overhead=0) == [(0, 1, 5), (1, 2, 9), (2, 3, 7)]
+    assert row_groups([50, 1100, 60, 40], overhead=160) == [(0, 1, 1, 51), (1, 2, 1, 1101), (2, 4, 1, 61)]
+    assert row_groups([50, 1100, 60, 40], overhead=10**6) == [(0, 4, 1, 1101)]
+    assert row_groups([5, 9, 7], overhead=0) == [(0, 1, 1, 6), (1, 2, 1, 10), (2, 3, 1, 8)]
     assert row_groups([]) == []
-    for cols in ([3], [7, 200, 7, 200, 7], list(range(1, 40))):  # ranges cover every row once, in order
-        g = row_groups(cols)
-        assert [s for s, _, _ in g] == [0] + [e for _, e, _ in g[:-1]] and g[-1][1] == len(cols)
-        assert all(w == max(cols[s:e]) for s, e, w in g)
+    # one long draft among one-token rows of one length gets its own range (padding every row to 6
+    # queries cost more than two more calls); a uniform batch stays one range
+    lens = [300] * 32
+    assert row_groups(lens, [1] * 5 + [6] + [1] * 26) == [(0, 5, 1, 301), (5, 6, 6, 306), (6, 32, 1, 301)]
+    assert row_groups(lens, [2] * 32) == [(0, 32, 2, 302)]
+    assert row_groups([300, 300], [1, 6], overhead=10**6) == [(0, 2, 6, 306)]
+    for lens, counts in (([3], None), ([7, 200, 7, 200, 7], [1, 3, 1, 1, 5]), (list(range(1, 40)), None)):
+        g = row_groups(lens, counts)  # ranges cover every row once, in order
+        counts = counts or [1] * len(lens)
+        assert [s for s, _, _, _ in g] == [0] + [e for _, e, _, _ in g[:-1]] and g[-1][1] == len(lens)
+        assert all(m == max(counts[s:e]) and w == max(lens[s:e]) + m for s, e, m, w in g)
 
 
 @pytest.mark.parametrize("overhead,packed", [(None, False), (0, False), (None, True)])  # 0: a range per row

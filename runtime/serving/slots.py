@@ -12,9 +12,10 @@ per-row mask (the row's prefix plus its own tree block). :meth:`SlotCache.commit
 accepted nodes of every row with one indexed copy of only the entries that move.
 
 Attention reads only what the rows use: the rows are split into contiguous ranges
-(:func:`row_groups`), each attending over its own longest row's columns, so one long prompt in
-the batch does not make every short row read its width (measured before this: 32 rows with
-prompts of 40-1100 tokens spent 80% of a step in attention over padded, masked columns).
+(:func:`row_groups`), each attending over its own longest row's columns with its own longest
+draft's queries, so one long prompt (or one long draft) in the batch does not make every short
+row read its width (measured before this: 32 rows with prompts of 40-1100 tokens spent 80% of a
+step in attention over padded, masked columns).
 """
 
 from __future__ import annotations
@@ -101,27 +102,37 @@ class SlotCache:
 # one attention call's fixed cost in row-columns (what one row reading one more cached column costs):
 # ~15 us per SDPA call against ~0.09 us per row-column, bf16, 1 thread, this project's 2-core CPU
 GROUP_OVERHEAD_COLUMNS = 160
+# a row-column's cost grows with the row's queries n as (QUERY_FIXED + n) (CPU SDPA over a few query
+# rows is mostly fixed work per column: measured for 32 rows, 1 layer, bf16, 1 thread, n = 1/2/6 ->
+# 1.00/1.12/1.65, i.e. ~(6 + n)/7)
+QUERY_FIXED = 6
 
 
-def row_groups(cols: list[int], overhead: int | None = None) -> list[tuple[int, int, int]]:
-    """Contiguous row ranges ``(start, end, width)`` covering rows ``0..len(cols)-1``, each attending
-    over ``width = max(cols[start:end])`` columns, chosen to minimise the columns read plus
-    ``overhead`` per range (default :data:`GROUP_OVERHEAD_COLUMNS`; exact, by dynamic programming
-    over the split points: O(rows^2))."""
+def row_groups(lengths: list[int], counts: list[int] | None = None,
+               overhead: int | None = None) -> list[tuple[int, int, int, int]]:
+    """Contiguous row ranges ``(start, end, n, width)`` covering rows ``0..len(lengths)-1``: the
+    range's rows attend with ``n = max(counts[start:end])`` query tokens each (a row's real tokens,
+    the rest padding) over ``width = max(lengths[start:end]) + n`` columns. Chosen to minimise the
+    padded work ``rows * width * (QUERY_FIXED + n) / (QUERY_FIXED + 1)`` plus ``overhead`` per range
+    (default :data:`GROUP_OVERHEAD_COLUMNS`), exactly, by dynamic programming over the split points
+    (O(rows^2)): one long prompt, or one long draft, among short ones gets a range of its own
+    instead of making every row read its columns or pad to its tokens. ``counts`` None: 1 each."""
     overhead = GROUP_OVERHEAD_COLUMNS if overhead is None else overhead
-    B = len(cols)
-    best, cut = [0] + [float("inf")] * B, [0] * (B + 1)
+    B = len(lengths)
+    counts = counts or [1] * B
+    best, cut = [0.0] + [float("inf")] * B, [0] * (B + 1)
     for e in range(1, B + 1):
-        w = 0
+        w = n = 0
         for s in range(e - 1, -1, -1):
-            w = max(w, cols[s])
-            c = best[s] + (e - s) * w + overhead
+            w, n = max(w, lengths[s]), max(n, counts[s])
+            c = best[s] + (e - s) * (w + n) * (QUERY_FIXED + n) / (QUERY_FIXED + 1) + overhead
             if c < best[e]:
                 best[e], cut[e] = c, s
     groups, e = [], B
     while e > 0:
         s = cut[e]
-        groups.append((s, e, max(cols[s:e])))
+        n = max(counts[s:e])
+        groups.append((s, e, n, max(lengths[s:e]) + n))
         e = s
     return groups[::-1]
 
@@ -150,8 +161,9 @@ def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
     ``counts[b]``: row ``b``'s real tokens (its draft's nodes), the rest of its ``n`` being padding
     to the longest draft. Only real tokens go through the linears and the LM head (rows drafting
     different lengths, e.g. one prompt-lookup chain of 5 among chains of 2 or plain rows, would
-    otherwise make every row pay for the longest); attention still runs on the padded ``[B, n]``
-    layout (zero queries, K/V written past the row's committed entries and never kept). The
+    otherwise make every row pay for the longest), and attention pads each range of rows
+    (:func:`row_groups`) only to that range's longest draft (measured before: one lookup chain of 5
+    among 31 plain rows made the step cost 1.36x plain, all of it attention over padded queries). The
     decode output keeps the ``[B, n, ...]`` shape; a padding position's logits and features are
     left unset (never read: verification reads ``:counts[b]``). None: every token is real.
 
@@ -175,7 +187,7 @@ def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
     pos = [dec_pos] + [pc.length + torch.arange(ids.shape[0], device=dev) for pc, ids in chunks]
     flat = torch.cat([dec_tokens] + [ids.to(dev) for _, ids in chunks]).view(1, -1)
     cos, sin = engine.rope(torch.cat(pos).view(1, -1))
-    decode = _slot_attention(cache, B, n, block) if B else None
+    decode = _slot_attention(cache, B, n, block, counts or [n] * B) if B else None
     masks = []
     for pc, ids in chunks:
         pc.check_ready()
@@ -185,20 +197,15 @@ def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
         m = None if c == 1 else torch.ones(c, pc.length + c, dtype=torch.bool, device=dev).tril(pc.length)
         masks.append(None if m is None else m.repeat(engine.groups, 1).view(1, 1, engine.groups * c, -1))
 
-    def padded(t: torch.Tensor, fill: bool = True) -> torch.Tensor:
-        """Real tokens ``[T, ...]`` -> ``[B, n, ...]``; padding zero (``fill``: Q/K/V, whose padding is
-        computed and written to the cache: garbage there could be NaN) or left unset (outputs)."""
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        """Real decode outputs ``[T, ...]`` -> ``[B, n, ...]``, padding left unset (never read)."""
         if real is None:
             return t.view(B, n, *t.shape[1:])
-        out = t.new_zeros(B * n, *t.shape[1:]) if fill else t.new_empty(B * n, *t.shape[1:])
-        return out.index_copy_(0, real, t).view(B, n, *t.shape[1:])
+        return t.new_empty(B * n, *t.shape[1:]).index_copy_(0, real, t).view(B, n, *t.shape[1:])
 
     def attention(i, q, k, v):
         qs, ks, vs = (t[0].split(sizes) for t in (q, k, v))
-        outs = []
-        if B:
-            o = decode(i, padded(qs[0]), padded(ks[0]), padded(vs[0])).reshape(B * n, -1)
-            outs.append(o if real is None else o[real])
+        outs = [decode(i, qs[0], ks[0], vs[0])] if B else []
         for (pc, _), m, qc, kc, vc in zip(chunks, masks, qs[1:], ks[1:], vs[1:]):
             outs.append(attend(pc.kv[i], qc[None], kc[None], vc[None], pc.length, m, engine.scale)[0])
         return torch.cat(outs).view(1, flat.shape[1], -1)
@@ -214,39 +221,59 @@ def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
 
     dec = None
     if B:
-        dec = TargetOutput(logits=padded(out.logits[0, :T], fill=False),
-                           features=None if out.features is None else padded(features[0], fill=False))
+        dec = TargetOutput(logits=padded(out.logits[0, :T]),
+                           features=None if out.features is None else padded(features[0]))
     return dec, [(out.logits[0, T + j], None if f is None else f.unsqueeze(0)) for j, f in enumerate(features[1:])]
 
 
-def _slot_attention(cache: SlotCache, B: int, n: int, block: torch.Tensor | None):
-    """The attention of :func:`forward_slots` for rows ``0..B-1`` with ``n`` new tokens each:
-    writes their K/V after each row's committed length and attends per range of rows
-    (:func:`row_groups`)."""
+def _slot_attention(cache: SlotCache, B: int, n: int, block: torch.Tensor | None, counts: list[int]):
+    """The attention of :func:`forward_slots` for rows ``0..B-1``, row ``b`` with ``counts[b]``
+    real tokens of its ``n``: returns ``attention(layer, q, k, v)`` over the real tokens (flat
+    ``[T, heads, D]``, rows in order) that writes their K/V after each row's committed length and
+    attends per range of rows (:func:`row_groups`), each range padded only to its own longest
+    draft (a padding query sees what ``block`` gives it and its output is dropped)."""
     engine = cache.engine
+    dev = engine.device
     if B != cache.active:
         raise ValueError(f"{B} rows of tokens for {cache.active} active slots")
-    lengths = torch.tensor(cache.lengths[:B], device=engine.device)
-    if int(lengths.max()) + n > cache.capacity:
+    lens = cache.lengths[:B]
+    if max(lens) + n > cache.capacity:
         raise ValueError(f"a row would exceed the slot capacity ({cache.capacity} tokens)")
     if block is None:
-        block = torch.ones(n, n, dtype=torch.bool, device=engine.device).tril().expand(B, n, n)
-    lens = cache.lengths[:B]
-    groups = row_groups([length + n for length in lens])
-    # a range whose rows are all at one length, one token each, needs no mask (plain causal attention)
-    plain = [n == 1 and min(lens[s:e]) == max(lens[s:e]) for s, e, _ in groups]
-    mask = None if all(plain) else row_mask(lengths, block.to(engine.device), engine.groups)
-    rows = torch.arange(B, device=engine.device).view(B, 1).expand(B, n)
-    write = lengths.view(B, 1) + torch.arange(n, device=engine.device)
+        block = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(B, n, n)
+    block = block.to(dev)
+    lengths = torch.tensor(lens, device=dev)
+    T = sum(counts)
+    # where each real token's K/V goes: its row, at the row's committed length + its index
+    rows = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(counts, device=dev))
+    first = torch.tensor([0] + counts[:-1], device=dev).cumsum(0)  # each row's first real token
+    write = lengths[rows] + torch.arange(T, device=dev) - first[rows]
+    groups, masks, gather = row_groups(lens, counts), [], []
+    for s, e, m, _ in groups:
+        # a range whose rows are all at one length, one token each, needs no mask (plain causal attention)
+        plain = m == 1 and min(lens[s:e]) == max(lens[s:e])
+        masks.append(None if plain else row_mask(lengths[s:e], block[s:e, :m, :m], engine.groups))
+        for r in range(s, e):  # the range's [rows, m] tokens: real ones by flat index, padding as T
+            gather.extend(int(first[r]) + j if j < counts[r] else T for j in range(m))
+    padding = len(gather) != T
+    if padding:
+        gather = torch.tensor(gather, device=dev)
+        keep = (gather < T).nonzero().view(-1)  # the real tokens among the ranges' outputs, in order
     kv = cache.kv
 
     def attention(i, q, k, v):
         layer = kv[i]
-        layer[0][rows, :, write] = k  # [B, n, hkv, D] at each row's own columns
+        layer[0][rows, :, write] = k  # [T, hkv, D], each real token at its row's own column
         layer[1][rows, :, write] = v
-        outs = [grouped_attention(q[s:e], layer[0, s:e, :, :w], layer[1, s:e, :, :w],
-                                  None if p else mask[s:e, :, :, :w], engine.scale)
-                for (s, e, w), p in zip(groups, plain)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        if padding:
+            q = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[gather]
+        outs, at = [], 0
+        for (s, e, m, w), mask in zip(groups, masks):
+            qg = q[at: at + (e - s) * m].view(e - s, m, *q.shape[1:])
+            at += (e - s) * m
+            outs.append(grouped_attention(qg, layer[0, s:e, :, :w], layer[1, s:e, :, :w], mask,
+                                          engine.scale).view((e - s) * m, -1))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return o[keep] if padding else o
 
     return attention
