@@ -5,9 +5,13 @@ how the server decodes. Two servers run side by side (loaded once, idle while th
 measured): one with the load-aware policy, one with speculation forced on (``--speculation-table
 1-:DEPTH``); "off" is the load-aware server with ``speculate: false`` on every request (same
 process, same weights). For each concurrency level the three modes run back to back, so their
-ratios come from one run on one machine state.
+ratios come from one run on one machine state; ``--rounds R`` runs each level R times per mode,
+the modes' order alternating (ABC CBA ...), and pools them (a machine whose speed drifts over a
+level weighs on every mode alike).
 
-Per mode and level: output tokens/s, request latency, time to first token and time per output
+Per mode and level: output tokens/s over the whole level and its steady rate (the tokens streamed
+while every client was busy, i.e. before the first client found no request left: after that a
+level's end is set by its last stragglers, which made short high-concurrency levels noisy), request latency, time to first token and time per output
 token (p50/p99), τ from the responses' ``usage.speculative_decoding``. Every level is bounded in
 requests and seconds and stops by itself. ``--soak SECONDS`` adds a mixed-load run against the
 load-aware server (concurrency changing every 15 s, one stream in ten abandoned mid-way) that
@@ -50,7 +54,10 @@ def register(subparsers) -> None:
     p.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma list of closed-loop client counts")
     p.add_argument("--requests", type=int, default=0,
                    help="requests per mode and level (default: max(2 x concurrency, 6))")
-    p.add_argument("--level-seconds", type=float, default=120.0, help="time bound per mode and level")
+    p.add_argument("--level-seconds", type=float, default=120.0, help="time bound per mode, level and round")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of each level per mode, the modes' order alternating (ABC CBA ...); a mode's row "
+                        "pools its rounds")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--depth", type=int, default=None,
                    help="draft depth of the always-on mode (default: a trained head's own, i.e. its measured "
@@ -113,7 +120,7 @@ async def _one(client, url: str, messages: list[dict], max_tokens: int, speculat
         return {"error": "no usage chunk"}
     n = usage["completion_tokens"]
     spec = usage.get("speculative_decoding") or {}
-    return {"tokens": n, "latency": end - t0, "ttft": (first or end) - t0,
+    return {"tokens": n, "latency": end - t0, "ttft": (first or end) - t0, "t_first": first or end, "t_end": end,
             "tpot": ((end - first) / (n - 1)) if first is not None and n > 1 else None,
             "tau": spec.get("tau"), "forwards": n / spec["tau"] if spec.get("tau") else None}
 
@@ -121,30 +128,64 @@ async def _one(client, url: str, messages: list[dict], max_tokens: int, speculat
 async def _level(url: str, prompts: list[list[dict]], concurrency: int, requests: int, seconds: float,
                  max_tokens: int, speculate: bool | None, start: int = 0) -> dict:
     """``concurrency`` closed-loop clients until ``requests`` finished or ``seconds`` passed, over
-    ``prompts[start:]`` (wrapping around)."""
+    ``prompts[start:]`` (wrapping around): the level's row (:func:`summarise` of one run)."""
+    return summarise(concurrency, [await _run(url, prompts, concurrency, requests, seconds, max_tokens, speculate,
+                                              start)])
+
+
+async def _run(url: str, prompts: list[list[dict]], concurrency: int, requests: int, seconds: float,
+               max_tokens: int, speculate: bool | None, start: int = 0) -> dict:
+    """One run of a level: the responses, the errors, its wall time, and its steady part: the
+    tokens streamed before the first client found no request left (``drain``), while all
+    ``concurrency`` clients were busy (after that the level's end is set by its stragglers)."""
     import httpx
 
     results, errors = [], []
     next_i = 0
+    drain = None
     deadline = time.perf_counter() + seconds
     t0 = time.perf_counter()
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(seconds + 60), limits=limits) as client:
         async def worker():
-            nonlocal next_i
+            nonlocal next_i, drain
             while next_i < requests and time.perf_counter() < deadline:
                 i = next_i
                 next_i += 1
                 r = await _one(client, url, prompts[(start + i) % len(prompts)], max_tokens, speculate)
                 (errors if "error" in r else results).append(r)
+            drain = drain or time.perf_counter()
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    wall = time.perf_counter() - t0
+    end = time.perf_counter()
+    return {"results": results, "errors": errors, "seconds": end - t0, "steady_seconds": (drain or end) - t0,
+            "steady_tokens": sum(tokens_before(r, drain or end) for r in results)}
+
+
+def tokens_before(r: dict, t: float) -> float:
+    """Tokens of response ``r`` streamed before time ``t``: its first at ``t_first``, the rest
+    spread evenly up to ``t_end``."""
+    if t >= r["t_end"]:
+        return r["tokens"]
+    if t < r["t_first"]:
+        return 0.0
+    return 1 + (r["tokens"] - 1) * (t - r["t_first"]) / max(r["t_end"] - r["t_first"], 1e-9)
+
+
+def summarise(concurrency: int, runs: list[dict]) -> dict:
+    """A level's row from one or more runs of it (``--rounds``): rates over the runs' summed
+    tokens and seconds, percentiles over all their requests."""
+    results = [r for run in runs for r in run["results"]]
+    errors = [e for run in runs for e in run["errors"]]
+    wall = sum(run["seconds"] for run in runs)
+    steady = sum(run["steady_seconds"] for run in runs)
     tokens = sum(r["tokens"] for r in results)
     forwards = sum(r["forwards"] or 0 for r in results)
     return {
-        "concurrency": concurrency, "requests": len(results), "errors": len(errors), "error_samples": errors[:3],
-        "seconds": wall, "tokens": tokens, "output_tok_s": tokens / wall if wall else 0.0,
+        "concurrency": concurrency, "rounds": len(runs), "requests": len(results), "errors": len(errors),
+        "error_samples": errors[:3], "seconds": wall, "tokens": tokens,
+        "output_tok_s": tokens / wall if wall else 0.0,
+        "steady_tok_s": sum(run["steady_tokens"] for run in runs) / steady if steady else 0.0,
         "tau": tokens / forwards if forwards else None,
         "latency_p50": _percentile([r["latency"] for r in results], 0.5),
         "latency_p99": _percentile([r["latency"] for r in results], 0.99),
@@ -244,10 +285,10 @@ def _baseline(mode: str) -> str:
 
 
 def _table(levels: dict) -> str:
-    lines = ["| clients | mode | tok/s | vs off | τ | latency p50/p99 s | TTFT p50/p99 s | TPOT p50/p99 ms | done | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| clients | mode | tok/s | vs off | steady tok/s | vs off | τ | latency p50/p99 s | TTFT p50/p99 s | "
+             "TPOT p50/p99 ms | done | errors |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     conc = sorted({r["concurrency"] for rows in levels.values() for r in rows})
-    offs = {b: {r["concurrency"]: r["output_tok_s"] for r in levels.get(b, [])} for b in ("off", "vllm-off")}
+    offs = {b: {r["concurrency"]: r for r in levels.get(b, [])} for b in ("off", "vllm-off")}
 
     def f(x, s="{:.2f}"):
         return "-" if x is None else s.format(x)
@@ -257,9 +298,12 @@ def _table(levels: dict) -> str:
             r = next((r for r in rows if r["concurrency"] == c), None)
             if r is None:
                 continue
-            off = offs[_baseline(mode)]
-            ratio = r["output_tok_s"] / off[c] if off.get(c) else None
-            lines.append(f"| {c} | {mode} | {r['output_tok_s']:.1f} | {f(ratio)}x | {f(r['tau'])} | "
+            off = offs[_baseline(mode)].get(c)
+            ratio, steady = (None, None) if not off else \
+                (r["output_tok_s"] / off["output_tok_s"] if off["output_tok_s"] else None,
+                 r["steady_tok_s"] / off["steady_tok_s"] if off.get("steady_tok_s") else None)
+            lines.append(f"| {c} | {mode} | {r['output_tok_s']:.1f} | {f(ratio)}x | {f(r.get('steady_tok_s'), '{:.1f}')} | "
+                         f"{f(steady)}x | {f(r['tau'])} | "
                          f"{f(r['latency_p50'])}/{f(r['latency_p99'])} | {f(r['ttft_p50'])}/{f(r['ttft_p99'])} | "
                          f"{f(r['tpot_p50'] and r['tpot_p50'] * 1e3, '{:.1f}')}/{f(r['tpot_p99'] and r['tpot_p99'] * 1e3, '{:.1f}')} | "
                          f"{r['requests']} | {r['errors']} |")
@@ -286,6 +330,8 @@ def main(args) -> int:
     from . import vllm_server
 
     levels_c = [int(c) for c in args.concurrency.split(",")]
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(modes) - {"off", "on", "load-aware"}
     if unknown:
@@ -355,16 +401,22 @@ def main(args) -> int:
         start = 0
         for c in levels_c:
             n = args.requests or max(2 * c, 6)
+            runs: dict[str, list] = {m: [] for m in run_modes}
+            before = {m: vllm_server.spec_counters(urls[m]) for m in run_modes if m == "vllm-on"}
+            for r in range(args.rounds):
+                # rounds alternate the modes' order (ABC CBA ...): a drift of the machine over the level
+                # weighs on every mode alike; each round serves the next unused prompts to every mode
+                for mode in (run_modes if r % 2 == 0 else run_modes[::-1]):
+                    runs[mode].append(asyncio.run(_run(urls[mode], prompts, c, n, args.level_seconds, args.max_tokens,
+                                                       speculate[mode], start=start)))
+                start += n
             for mode in run_modes:
-                before = vllm_server.spec_counters(urls[mode]) if mode == "vllm-on" else None
-                row = asyncio.run(_level(urls[mode], prompts, c, n, args.level_seconds, args.max_tokens,
-                                         speculate[mode], start=start))
-                if before is not None:
-                    vllm_server.add_tau(row, before, vllm_server.spec_counters(urls[mode]))
+                row = summarise(c, runs[mode])
+                if mode in before:
+                    vllm_server.add_tau(row, before[mode], vllm_server.spec_counters(urls[mode]))
                 levels[mode].append(row)
-                print(f"  {c:>3} clients  {mode:<10} {row['output_tok_s']:7.1f} tok/s  tau {row['tau'] or 0:.2f}  "
-                      f"done {row['requests']}  errors {row['errors']}", flush=True)
-            start += n
+                print(f"  {c:>3} clients  {mode:<10} {row['output_tok_s']:7.1f} tok/s  steady {row['steady_tok_s']:7.1f}  "
+                      f"tau {row['tau'] or 0:.2f}  done {row['requests']}  errors {row['errors']}", flush=True)
         soak = asyncio.run(_soak(aware, prompts, args.soak, args.max_tokens, max_c)) if args.soak and aware else None
     report = {"args": vars(args) | {"func": None}, "speculator": speculator, "levels": levels, "peers": peers,
               "soak": soak}

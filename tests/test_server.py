@@ -493,7 +493,7 @@ def test_serve_command_defaults_to_loopback():
 
 def test_bench_serve_sweeps_modes_and_writes_its_report(model_dirs, tmp_path):
     """`specfoundry bench-serve` end to end on the tiny model: two server processes, three modes per
-    concurrency level, every request answered, the table, JSON and plot written."""
+    concurrency level in two rounds each, every request answered, the table, JSON and plot written."""
     import argparse
     import json
 
@@ -504,17 +504,33 @@ def test_bench_serve_sweeps_modes_and_writes_its_report(model_dirs, tmp_path):
     bench_serve.register(parser.add_subparsers())
     args = parser.parse_args(["bench-serve", "--target", str(target_dir), "--speculator", str(draft_dir),
                               "--dtype", "float32", "--threads", "1", "--concurrency", "1,2", "--requests", "2",
-                              "--max-tokens", "8", "--level-seconds", "60", "--out", str(tmp_path / "out")])
+                              "--max-tokens", "8", "--level-seconds", "60", "--rounds", "2",
+                              "--out", str(tmp_path / "out")])
     assert bench_serve.main(args) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     for mode in ("off", "on", "load-aware"):
         rows = report["levels"][mode]
         assert [r["concurrency"] for r in rows] == [1, 2]
-        assert all(r["requests"] == 2 and r["errors"] == 0 and r["output_tok_s"] > 0 for r in rows)
+        assert all(r["rounds"] == 2 and r["requests"] == 4 and r["errors"] == 0 for r in rows)
+        assert all(0 < r["output_tok_s"] and 0 < r["steady_tok_s"] for r in rows)
     assert all(r["tau"] == pytest.approx(1.0) for r in report["levels"]["off"])  # speculate: false really is off
     assert any(r["tau"] > 1.0 for r in report["levels"]["on"])  # the always-on server drafted and accepted
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| 2 | load-aware |" in md
+
+
+def test_bench_serve_pools_rounds_and_counts_the_steady_part():
+    from specfoundry.bench.serve import summarise, tokens_before
+
+    r = {"tokens": 11, "t_first": 10.0, "t_end": 20.0, "latency": 12.0, "ttft": 2.0, "tpot": 1.0, "forwards": 5.5}
+    assert tokens_before(r, 9.0) == 0 and tokens_before(r, 25.0) == 11
+    assert tokens_before(r, 15.0) == pytest.approx(6.0)  # the first token, then half of the other ten
+    a = {"results": [r], "errors": [], "seconds": 20.0, "steady_seconds": 15.0, "steady_tokens": 6.0}
+    b = {"results": [r, r], "errors": ["x"], "seconds": 30.0, "steady_seconds": 25.0, "steady_tokens": 34.0}
+    row = summarise(4, [a, b])
+    assert row["rounds"] == 2 and row["requests"] == 3 and row["errors"] == 1
+    assert row["output_tok_s"] == pytest.approx(33 / 50) and row["steady_tok_s"] == pytest.approx(40 / 40)
+    assert row["tau"] == pytest.approx(2.0)
 
 
 def test_soak_rss_trend_separates_warm_up_from_growth():
@@ -556,7 +572,8 @@ def test_bench_serve_levels_take_unused_prompts(monkeypatch):
 
     async def fake_one(client, url, messages, max_tokens, speculate, *a, **k):
         seen.append(messages)
-        return {"tokens": 1, "latency": 0.0, "ttft": 0.0, "tpot": None, "tau": None, "forwards": None}
+        return {"tokens": 1, "latency": 0.0, "ttft": 0.0, "tpot": None, "tau": None, "forwards": None,
+                "t_first": 0.0, "t_end": 0.0}
 
     monkeypatch.setattr(bench_serve, "_one", fake_one)
     prompts = [[{"role": "user", "content": str(i)}] for i in range(6)]
