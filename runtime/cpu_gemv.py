@@ -14,27 +14,20 @@ same bits in a plain step and in a verification (ATen and oneDNN pick other kern
 row counts, which is where bf16 near-ties between a plain and a speculative run come from).
 bf16 weights are widened exactly (a shift); products accumulate in fp32 like ATen's.
 
-Build: the C source below is compiled once per machine with the system C compiler (``cc``,
-``-O3 -mavx2 -mfma -fopenmp``) into ``~/.cache/specfoundry/kernels/<source hash>/`` and loaded
-with ctypes; its OpenMP threads are the ones torch already loaded (same ``libgomp.so.1``), so
-``torch.set_num_threads`` governs both. No compiler, no AVX2/FMA, or a failed build: the kernel
-is unavailable and the engine's measured choice simply leaves it out (:func:`unavailable_reason`).
+Build: the C source below is compiled once per machine by :func:`.native.build` (``cc -O3 -mavx2
+-mfma -fopenmp``, cached by source hash, OpenMP shared with torch). No compiler, no AVX2/FMA, or a
+failed build: the kernel is unavailable and the engine's measured choice simply leaves it out
+(:func:`unavailable_reason`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from .paths import cache_dir
+from .native import build
 
 __all__ = ["MAX_ROWS", "available", "gemv", "unavailable_reason"]
 
@@ -79,48 +72,10 @@ GEMV(sf_gemv_f32, float, ld_f32)
 """
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _cache_dir() -> Path:
-    return cache_dir() / "kernels" / hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
-
-
 @functools.lru_cache(maxsize=1)
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    if not {"avx2", "fma"} <= _cpu_flags():
-        return None, "the CPU lacks AVX2/FMA (or /proc/cpuinfo is unreadable)"
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        return None, "no C compiler (cc/gcc) on PATH"
-    out = _cache_dir() / "libsfgemv.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            src, lib = Path(tmp) / "sfgemv.c", Path(tmp) / "libsfgemv.so"
-            src.write_text(_SOURCE)
-            run = subprocess.run([cc, "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", str(src), "-o",
-                                  str(lib)], capture_output=True, text=True)
-            if run.returncode != 0:
-                return None, f"building the kernel failed: {run.stderr.strip()[:300]}"
-            os.replace(lib, out)  # atomic: a concurrent builder's copy is as good as ours
-    try:
-        lib = ctypes.CDLL(str(out))
-    except OSError as exc:
-        return None, f"loading the kernel failed: {exc}"
-    for name in ("sf_gemv_bf16", "sf_gemv_f32"):
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    return lib, None
+    args = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return build("sfgemv", _SOURCE, {"sf_gemv_bf16": args, "sf_gemv_f32": args})
 
 
 def unavailable_reason() -> str | None:

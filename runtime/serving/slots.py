@@ -20,8 +20,11 @@ step in attention over padded, masked columns).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from .. import cpu_attention
 from ..engine import LlamaEngine, StaticKVCache, attend, grouped_attention
 from ..kvcache import row_mask
 from ..target import TargetOutput
@@ -39,6 +42,10 @@ class SlotCache:
                                   dtype=engine.dtype, device=engine.device)
         self.lengths: list[int] = [0] * slots
         self.active = 0
+        # plain steps' attention by the CPU kernel where it runs (runtime/cpu_attention.py), else SDPA
+        # per range of rows; SPECFOUNDRY_SLOT_ATTENTION=sdpa keeps SDPA
+        self.kernel = os.environ.get("SPECFOUNDRY_SLOT_ATTENTION", "auto") != "sdpa" and \
+            cpu_attention.supports(self.kv[0]) and cpu_attention.available()
 
     @property
     def slots(self) -> int:
@@ -230,8 +237,10 @@ def _slot_attention(cache: SlotCache, B: int, n: int, block: torch.Tensor | None
     """The attention of :func:`forward_slots` for rows ``0..B-1``, row ``b`` with ``counts[b]``
     real tokens of its ``n``: returns ``attention(layer, q, k, v)`` over the real tokens (flat
     ``[T, heads, D]``, rows in order) that writes their K/V after each row's committed length and
-    attends per range of rows (:func:`row_groups`), each range padded only to its own longest
-    draft (a padding query sees what ``block`` gives it and its output is dropped)."""
+    attends: with the CPU kernel (:mod:`..cpu_attention`, where it runs) every row over its own
+    columns and tokens in one call; else by SDPA per range of rows (:func:`row_groups`), each range
+    padded only to its own longest draft (a padding query sees what ``block`` gives it and its
+    output is dropped)."""
     engine = cache.engine
     dev = engine.device
     if B != cache.active:
@@ -248,6 +257,20 @@ def _slot_attention(cache: SlotCache, B: int, n: int, block: torch.Tensor | None
     rows = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(counts, device=dev))
     first = torch.tensor([0] + counts[:-1], device=dev).cumsum(0)  # each row's first real token
     write = lengths[rows] + torch.arange(T, device=dev) - first[rows]
+    kv = cache.kv
+    if cache.kernel and n == 1:  # every row over its own columns in one call, no ranges (plain steps only:
+        # there the kernel measured 0.86x SDPA's step at 32 rows; with 2-4 tokens per row SDPA's
+        # blocked products win, 1.04-1.26x, docs/results.md eleventh session)
+        i32 = (lengths.int(), torch.tensor(counts, dtype=torch.int32), first.int())
+        blk = block.to(torch.uint8).contiguous()
+
+        def kernel_attention(i, q, k, v):
+            layer = kv[i]
+            layer[0][rows, :, write] = k
+            layer[1][rows, :, write] = v
+            return cpu_attention.slot_attention(q, layer, *i32, blk, engine.scale)
+
+        return kernel_attention
     groups, masks, gather = row_groups(lens, counts), [], []
     for s, e, m, _ in groups:
         # a range whose rows are all at one length, one token each, needs no mask (plain causal attention)
@@ -259,7 +282,6 @@ def _slot_attention(cache: SlotCache, B: int, n: int, block: torch.Tensor | None
     if padding:
         gather = torch.tensor(gather, device=dev)
         keep = (gather < T).nonzero().view(-1)  # the real tokens among the ranges' outputs, in order
-    kv = cache.kv
 
     def attention(i, q, k, v):
         layer = kv[i]

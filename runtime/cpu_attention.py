@@ -1,0 +1,233 @@
+"""Decode attention for the serving batch on x86 CPUs (AVX2+FMA): every row over its own columns,
+with its own number of new tokens, in one call and without padding.
+
+Why: a serving step attends ``B`` rows of unequal committed length, each with a few new tokens (1
+for plain decoding, a draft's nodes otherwise). PyTorch's CPU SDPA treats each call as a blocked
+GEMM: measured for 32 rows of 80-500 columns, bf16, 1 thread (docs/results.md, eleventh session),
+it was ~49% of a plain 32-row step of SmolLM2-135M, mostly fixed work per column whatever the
+query count, and rows of unequal length had to be split into ranges (:func:`.serving.slots.row_groups`)
+and padded to a common width and draft length. Here each (row, KV head) pair reads only its row's
+columns once for all of its ``g * n`` query rows (the ``g`` query heads of that KV head times the
+row's real tokens).
+
+Numerics: scores and the softmax in fp32 (K, V and Q widened exactly from bf16), the output
+rounded once to the cache's dtype, as SDPA does; the exponential is a polynomial accurate to a
+few fp32 ulps; masked columns weigh exactly 0. Results equal SDPA's within fp32 rounding, not
+bit for bit.
+
+Layout: ``q`` flat ``[T, hq, D]`` (the step's real tokens, row ``b``'s ``counts[b]`` tokens
+from ``first[b]``); the cache ``[slots, hkv, capacity, D]`` (K and V, any slot/head strides,
+columns contiguous); row ``b``'s token ``t`` sees columns ``0 .. lengths[b]-1`` and, among the
+row's new columns ``lengths[b] + j``, those where ``block[b, t, j]``. Built by
+:func:`.native.build`; :func:`available` says whether it runs here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from .native import build
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline __m256 ld_bf16(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
+
+/* exp(x) for x <= 0 (scores minus their max), Cephes-style: 2^n * p(r), |r| <= ln2/2 */
+static inline __m256 exp256(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* the 8 lane sums of a[0..7] as one vector */
+static inline __m256 hsum8(const __m256 *a) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+#define MAXD 256
+#define BLK 8
+
+#define ATTN(NAME, KT, LOAD)                                                                         \
+void NAME(const float *q, const KT *kc, const KT *vc, int64_t s_slot, int64_t s_head,               \
+          const int32_t *lens, const int32_t *counts, const int32_t *first, const uint8_t *block,    \
+          int n, int B, int hq, int hkv, int D, float scale, float *out) {                           \
+    int g = hq / hkv;                                                                                \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                                 \
+    for (int bh = 0; bh < B * hkv; bh++) {                                                           \
+        int b = bh / hkv, h = bh % hkv, L = lens[b], c = counts[b], W = L + c, G = g * c;            \
+        int WP = (W + BLK - 1) / BLK * BLK;                                                          \
+        const KT *K = kc + b * s_slot + h * s_head, *V = vc + b * s_slot + h * s_head;              \
+        float *sc = (float *)aligned_alloc(32, sizeof(float) * (size_t)G * (size_t)WP);              \
+        float kb[BLK * MAXD] __attribute__((aligned(32)));                                           \
+        float inv[8 * 64];  /* 1 / softmax sum per query row (G <= 8 * 64) */                        \
+        __m256 vmax[8 * 64];                                                                         \
+        const __m256 ninf = _mm256_set1_ps(-INFINITY), vs = _mm256_set1_ps(scale);                   \
+        for (int r = 0; r < G; r++) vmax[r] = ninf;                                                  \
+        /* scores, 8 columns at a time: K widened once for all G query rows (r = gi * c + t) */      \
+        for (int c0 = 0; c0 < W; c0 += BLK) {                                                        \
+            int nc = W - c0 < BLK ? W - c0 : BLK;                                                    \
+            for (int j = 0; j < BLK; j++)                                                            \
+                for (int d = 0; d < D; d += 8)                                                       \
+                    _mm256_store_ps(kb + j * D + d, j < nc ? LOAD(K + (int64_t)(c0 + j) * D + d)     \
+                                                           : _mm256_setzero_ps());                   \
+            int edge = c0 + BLK > L;  /* a block with new (tree-masked) or missing columns */        \
+            for (int gi = 0; gi < g; gi++)                                                           \
+                for (int t = 0; t < c; t++) {                                                        \
+                    int r = gi * c + t;                                                              \
+                    const float *qr = q + ((int64_t)(first[b] + t) * hq + h * g + gi) * D;           \
+                    __m256 acc[BLK];                                                                 \
+                    for (int j = 0; j < BLK; j++) acc[j] = _mm256_setzero_ps();                      \
+                    for (int d = 0; d < D; d += 8) {                                                 \
+                        __m256 qv = _mm256_loadu_ps(qr + d);                                         \
+                        for (int j = 0; j < BLK; j++)                                                \
+                            acc[j] = _mm256_fmadd_ps(qv, _mm256_load_ps(kb + j * D + d), acc[j]);    \
+                    }                                                                                \
+                    __m256 sv = _mm256_mul_ps(hsum8(acc), vs);                                       \
+                    float *s = sc + (int64_t)r * WP + c0;                                            \
+                    _mm256_storeu_ps(s, sv);                                                         \
+                    if (edge) {                                                                      \
+                        for (int j = 0; j < BLK; j++) {                                              \
+                            int col = c0 + j;                                                        \
+                            if (col >= W || (col >= L && !block[((int64_t)b * n + t) * n + (col - L)])) \
+                                s[j] = -INFINITY;                                                    \
+                        }                                                                            \
+                        sv = _mm256_loadu_ps(s);                                                     \
+                    }                                                                                \
+                    vmax[r] = _mm256_max_ps(vmax[r], sv);                                            \
+                }                                                                                    \
+        }                                                                                            \
+        /* exp(score - max) in place; masked columns (-inf) weigh exactly 0 */                       \
+        for (int r = 0; r < G; r++) {                                                                \
+            float buf[8], mx = -INFINITY, sum = 0.f;                                                 \
+            _mm256_storeu_ps(buf, vmax[r]);                                                          \
+            for (int j = 0; j < 8; j++) mx = buf[j] > mx ? buf[j] : mx;                              \
+            __m256 m = _mm256_set1_ps(mx), tot = _mm256_setzero_ps();                                \
+            float *s = sc + (int64_t)r * WP;                                                         \
+            for (int j = 0; j < WP; j += 8) {                                                        \
+                __m256 x = _mm256_load_ps(s + j);                                                    \
+                __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), exp256(_mm256_sub_ps(x, m))); \
+                _mm256_store_ps(s + j, e);                                                           \
+                tot = _mm256_add_ps(tot, e);                                                         \
+            }                                                                                        \
+            _mm256_storeu_ps(buf, tot);                                                              \
+            for (int j = 0; j < 8; j++) sum += buf[j];                                               \
+            inv[r] = 1.0f / sum;                                                                     \
+        }                                                                                            \
+        /* out = P V / sum: V widened 8 columns at a time, 64 outputs of a query row in registers */ \
+        for (int gi = 0; gi < g; gi++)                                                               \
+            for (int t = 0; t < c; t++) {                                                            \
+                float *o = out + ((int64_t)(first[b] + t) * hq + h * g + gi) * D;                    \
+                for (int d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());         \
+            }                                                                                        \
+        for (int c0 = 0; c0 < W; c0 += BLK) {                                                        \
+            int nc = W - c0 < BLK ? W - c0 : BLK;                                                    \
+            for (int j = 0; j < BLK; j++)                                                            \
+                for (int d = 0; d < D; d += 8)                                                       \
+                    _mm256_store_ps(kb + j * D + d, j < nc ? LOAD(V + (int64_t)(c0 + j) * D + d)     \
+                                                           : _mm256_setzero_ps());                   \
+            for (int gi = 0; gi < g; gi++)                                                           \
+                for (int t = 0; t < c; t++) {                                                        \
+                    const float *p = sc + (int64_t)(gi * c + t) * WP + c0;                           \
+                    float *o = out + ((int64_t)(first[b] + t) * hq + h * g + gi) * D;                \
+                    for (int d0 = 0; d0 < D; d0 += 64) {                                             \
+                        int dn = D - d0 < 64 ? D - d0 : 64;                                          \
+                        __m256 acc[8];                                                               \
+                        for (int k = 0; k < dn / 8; k++) acc[k] = _mm256_loadu_ps(o + d0 + 8 * k);   \
+                        for (int j = 0; j < BLK; j++) {                                              \
+                            __m256 pj = _mm256_broadcast_ss(p + j);                                  \
+                            for (int k = 0; k < dn / 8; k++)                                         \
+                                acc[k] = _mm256_fmadd_ps(pj, _mm256_load_ps(kb + j * D + d0 + 8 * k), acc[k]); \
+                        }                                                                            \
+                        for (int k = 0; k < dn / 8; k++) _mm256_storeu_ps(o + d0 + 8 * k, acc[k]);   \
+                    }                                                                                \
+                }                                                                                    \
+        }                                                                                            \
+        for (int gi = 0; gi < g; gi++)                                                               \
+            for (int t = 0; t < c; t++) {                                                            \
+                float *o = out + ((int64_t)(first[b] + t) * hq + h * g + gi) * D;                    \
+                __m256 iv = _mm256_set1_ps(inv[gi * c + t]);                                         \
+                for (int d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), iv)); \
+            }                                                                                        \
+        free(sc);                                                                                    \
+    }                                                                                                \
+}
+ATTN(sf_attn_bf16, uint16_t, ld_bf16)
+ATTN(sf_attn_f32, float, ld_f32)
+"""
+
+MAX_HEAD_DIM = 256
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    args = [p, p, p, i64, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, p]
+    return build("sfattn", _SOURCE, {"sf_attn_bf16": args, "sf_attn_f32": args})
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernel can run here, else why not."""
+    return _load()[1]
+
+
+def available() -> bool:
+    return _load()[0] is not None
+
+
+def supports(cache_layer: torch.Tensor) -> bool:
+    """Whether :func:`slot_attention` takes this ``[2, slots, hkv, capacity, D]`` cache layer."""
+    D = cache_layer.shape[-1]
+    return (cache_layer.device.type == "cpu" and cache_layer.dtype in (torch.bfloat16, torch.float32)
+            and D % 8 == 0 and D <= MAX_HEAD_DIM and cache_layer.stride(-1) == 1 and cache_layer.stride(-2) == D)
+
+
+def slot_attention(q: torch.Tensor, layer: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor,
+                   first: torch.Tensor, block: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of the step's real tokens ``q`` ``[T, hq, D]`` over one cache layer ``[2, slots,
+    hkv, capacity, D]`` (K/V of the new tokens already written after each row's ``lengths[b]``):
+    row ``b`` has ``counts[b]`` tokens from flat index ``first[b]`` (int32 ``[B]`` tensors), and
+    ``block`` ``[B, n, n]`` (bool) says which of the row's new columns each of its tokens sees.
+    Returns ``[T, hq*D]`` in the cache's dtype (see the module doc)."""
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(f"the attention kernel is unavailable: {unavailable_reason()}")
+    if not supports(layer):
+        raise ValueError(f"the attention kernel takes a CPU bf16/fp32 cache with head_dim % 8 == 0 and <= "
+                         f"{MAX_HEAD_DIM}, got {layer.dtype} {tuple(layer.shape)}")
+    T, hq, D = q.shape
+    B, n = block.shape[0], block.shape[-1]
+    hkv = layer.shape[2]
+    qf = q.to(torch.float32).contiguous()
+    out = torch.empty(T, hq, D, dtype=torch.float32)
+    blk = block.to(torch.uint8).contiguous()
+    keys, values = layer[0], layer[1]
+    fn = lib.sf_attn_bf16 if layer.dtype == torch.bfloat16 else lib.sf_attn_f32
+    fn(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), lengths.data_ptr(),
+       counts.data_ptr(), first.data_ptr(), blk.data_ptr(), n, B, hq, hkv, D, float(scale), out.data_ptr())
+    return out.view(T, hq * D).to(layer.dtype)

@@ -1,0 +1,70 @@
+"""Building and loading the runtime's small C kernels (x86 AVX2+FMA, OpenMP).
+
+Scope: compile a kernel's C source once per machine with the system C compiler into
+``~/.cache/specfoundry/kernels/<source hash>/`` and load it with ctypes; say why when that cannot
+be done. The kernels themselves live with their callers (:mod:`.cpu_gemv`, :mod:`.cpu_attention`).
+
+OpenMP: the kernels use the OpenMP runtime torch already loaded (same ``libgomp.so.1``), so
+``torch.set_num_threads`` governs them too. No compiler, no AVX2/FMA, or a failed build: the
+kernel is unavailable and its caller keeps the library path (the reason is reported).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .paths import cache_dir
+
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def kernel_dir(source: str) -> Path:
+    """Where a kernel's library is kept: keyed by its source, so an edit rebuilds it."""
+    return cache_dir() / "kernels" / hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def build(name: str, source: str, functions: dict[str, list]) -> tuple[ctypes.CDLL | None, str | None]:
+    """``lib<name>.so`` from ``source`` (built once, then loaded) with ``functions`` (C name ->
+    ctypes argument types, each returning void) declared; ``(library, None)`` or ``(None, why not)``."""
+    if not {"avx2", "fma"} <= cpu_flags():
+        return None, "the CPU lacks AVX2/FMA (or /proc/cpuinfo is unreadable)"
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None, "no C compiler (cc/gcc) on PATH"
+    out = kernel_dir(source) / f"lib{name}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            src, lib = Path(tmp) / f"{name}.c", Path(tmp) / f"lib{name}.so"
+            src.write_text(source)
+            run = subprocess.run([cc, *FLAGS, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True)
+            if run.returncode != 0:
+                return None, f"building the {name} kernel failed: {run.stderr.strip()[:300]}"
+            os.replace(lib, out)  # atomic: a concurrent builder's copy is as good as ours
+    try:
+        lib = ctypes.CDLL(str(out))
+    except OSError as exc:
+        return None, f"loading the {name} kernel failed: {exc}"
+    for fname, argtypes in functions.items():
+        fn = getattr(lib, fname)
+        fn.restype = None
+        fn.argtypes = argtypes
+    return lib, None
