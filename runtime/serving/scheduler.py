@@ -40,6 +40,7 @@ from ..drafters.base import DraftContext, Drafter
 from ..drafters.lookup import LookupFirstDrafter
 from ..engine import EngineTarget
 from ..generator import IncrementalDetokenizer
+from ..native import release_free_memory
 from ..sampling import SamplingParams
 from ..tree import Draft, ancestor_matrix, tree_depths
 from ..verify import verify
@@ -52,6 +53,8 @@ __all__ = ["Event", "NullMetrics", "QueueFull", "Request", "RequestHandle", "Req
 
 
 MIN_TEMPERATURE = 1e-5
+#: seconds between returns of freed memory to the system under load (:func:`..native.release_free_memory`)
+TRIM_SECONDS = 10.0
 MIN_TOP_P = 1e-6
 
 
@@ -156,6 +159,7 @@ class ServingEngine:
         self._lock = threading.Condition()
         self._ids = itertools.count(1)
         self._stop = False
+        self._trimmed = time.monotonic()
         self._thread: threading.Thread | None = None
         self.steps = 0
         self._errors: dict[int, str] = {}  # row -> error of the current step's failed requests
@@ -248,6 +252,10 @@ class ServingEngine:
                 self._drop_cancelled()
                 if self._seqs or self._filling:
                     self._step(queued)
+                now = time.monotonic()
+                if now - self._trimmed >= TRIM_SECONDS or not (self._seqs or self._filling or self._waiting):
+                    release_free_memory()  # ~10 ms: every TRIM_SECONDS under load, and whenever it goes idle
+                    self._trimmed = now
         except Exception as e:  # a bug must not leave clients waiting forever
             msg = f"{type(e).__name__}: {e}"
             for s in list(self._seqs):
