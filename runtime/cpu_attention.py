@@ -29,19 +29,11 @@ import functools
 
 import torch
 
-from .native import build
+from .native import PRELUDE, build
 
-_SOURCE = r"""
-#include <immintrin.h>
+_SOURCE = PRELUDE + r"""
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-
-static inline __m256 ld_bf16(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-static inline __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
 
 /* exp(x) for x <= 0 (scores minus their max), Cephes-style: 2^n * p(r), |r| <= ln2/2 */
 static inline __m256 exp256(__m256 x) {
@@ -73,6 +65,12 @@ static inline __m256 hsum8(const __m256 *a) {
 #define MAXD 256
 #define BLK 8
 
+/* columns c0 .. c0+7 of X (K or V) widened to fp32 into kb (zeros past the row's nc columns) */
+#define WIDEN(X, LOAD)                                                                                     \
+    for (int j = 0; j < BLK; j++)                                                                    \
+        for (int d = 0; d < D; d += 8)                                                               \
+            _mm256_store_ps(kb + j * D + d, j < nc ? LOAD(X + (int64_t)(c0 + j) * D + d) : _mm256_setzero_ps())
+
 #define ATTN(NAME, KT, LOAD)                                                                         \
 void NAME(const float *q, const KT *kc, const KT *vc, int64_t s_slot, int64_t s_head,               \
           const int32_t *lens, const int32_t *counts, const int32_t *first, const uint8_t *block,    \
@@ -92,10 +90,7 @@ void NAME(const float *q, const KT *kc, const KT *vc, int64_t s_slot, int64_t s_
         /* scores, 8 columns at a time: K widened once for all G query rows (r = gi * c + t) */      \
         for (int c0 = 0; c0 < W; c0 += BLK) {                                                        \
             int nc = W - c0 < BLK ? W - c0 : BLK;                                                    \
-            for (int j = 0; j < BLK; j++)                                                            \
-                for (int d = 0; d < D; d += 8)                                                       \
-                    _mm256_store_ps(kb + j * D + d, j < nc ? LOAD(K + (int64_t)(c0 + j) * D + d)     \
-                                                           : _mm256_setzero_ps());                   \
+            WIDEN(K, LOAD);                                                                             \
             int edge = c0 + BLK > L;  /* a block with new (tree-masked) or missing columns */        \
             for (int gi = 0; gi < g; gi++)                                                           \
                 for (int t = 0; t < c; t++) {                                                        \
@@ -147,10 +142,7 @@ void NAME(const float *q, const KT *kc, const KT *vc, int64_t s_slot, int64_t s_
             }                                                                                        \
         for (int c0 = 0; c0 < W; c0 += BLK) {                                                        \
             int nc = W - c0 < BLK ? W - c0 : BLK;                                                    \
-            for (int j = 0; j < BLK; j++)                                                            \
-                for (int d = 0; d < D; d += 8)                                                       \
-                    _mm256_store_ps(kb + j * D + d, j < nc ? LOAD(V + (int64_t)(c0 + j) * D + d)     \
-                                                           : _mm256_setzero_ps());                   \
+            WIDEN(V, LOAD);                                                                             \
             for (int gi = 0; gi < g; gi++)                                                           \
                 for (int t = 0; t < c; t++) {                                                        \
                     const float *p = sc + (int64_t)(gi * c + t) * WP + c0;                           \

@@ -27,21 +27,13 @@ import functools
 
 import torch
 
-from .native import build
+from .native import PRELUDE, build
 
 __all__ = ["MAX_ROWS", "available", "gemv", "unavailable_reason"]
 
 MAX_ROWS = 8  # rows handled in one pass over the weights (accumulators held in registers)
 
-_SOURCE = r"""
-#include <immintrin.h>
-#include <stdint.h>
-
-static inline __m256 ld_bf16(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-static inline __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
+_SOURCE = PRELUDE + r"""
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
     lo = _mm_add_ps(lo, hi);

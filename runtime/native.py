@@ -26,6 +26,18 @@ from .paths import cache_dir
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 
+#: the kernels' common C start: 8 bf16 (widened exactly: a shift) or fp32 values as one fp32 vector
+PRELUDE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline __m256 ld_bf16(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
+"""
+
 
 def cpu_flags() -> set[str]:
     """This CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
