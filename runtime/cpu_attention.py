@@ -174,6 +174,7 @@ ATTN(sf_attn_f32, float, ld_f32)
 """
 
 MAX_HEAD_DIM = 256
+MAX_QUERY_ROWS = 8 * 64  # g * tokens of one row: the kernel's per-(row, head) buffers (inv, vmax)
 
 
 @functools.lru_cache(maxsize=1)
@@ -215,6 +216,9 @@ def slot_attention(q: torch.Tensor, layer: torch.Tensor, lengths: torch.Tensor, 
     T, hq, D = q.shape
     B, n = block.shape[0], block.shape[-1]
     hkv = layer.shape[2]
+    if (hq // hkv) * n > MAX_QUERY_ROWS:
+        raise ValueError(f"{hq // hkv} query heads per KV head x {n} tokens per row exceed the kernel's "
+                         f"{MAX_QUERY_ROWS} query rows")
     qf = q.to(torch.float32).contiguous()
     out = torch.empty(T, hq, D, dtype=torch.float32)
     blk = block.to(torch.uint8).contiguous()

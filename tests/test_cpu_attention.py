@@ -126,3 +126,20 @@ def test_unsupported_caches_are_refused():
     with pytest.raises(ValueError, match="head_dim"):
         cpu_attention.slot_attention(torch.zeros(1, 1, 64, dtype=torch.float64), layer,
                                      *(torch.zeros(1, dtype=torch.int32),) * 3, torch.ones(1, 1, 1, dtype=torch.bool), 1.0)
+
+
+def test_serving_greedy_through_the_kernel_equals_the_solo_generator():
+    """fp32 tiny Llama, plain decoding under load: every step's attention runs in the kernel, and
+    each request's greedy tokens equal the single-sequence generator's (SDPA) token for token."""
+    from specfoundry.runtime import SpeculativeGenerator
+    from specfoundry.runtime.serving import Request, ServingEngine
+
+    target = tiny_llama(2, vocab=64, layers=2, dtype=torch.float32)
+    ps = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 3, 30, 9, 12)]
+    want = [SpeculativeGenerator(target, None).generate(prompt_ids=p, max_new_tokens=20, stop_at_eos=False).token_ids
+            for p in ps]
+    with ServingEngine(target, None, max_batch=4) as eng:
+        assert eng.slots.kernel
+        handles = [eng.submit(Request(p, max_new_tokens=20, stop_at_eos=False)) for p in ps]
+        got = [h.result()[0] for h in handles]
+    assert got == want

@@ -20,6 +20,7 @@ step in attention over padded, masked columns).
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -237,8 +238,8 @@ def _slot_attention(cache: SlotCache, B: int, n: int, block: torch.Tensor | None
     """The attention of :func:`forward_slots` for rows ``0..B-1``, row ``b`` with ``counts[b]``
     real tokens of its ``n``: returns ``attention(layer, q, k, v)`` over the real tokens (flat
     ``[T, heads, D]``, rows in order) that writes their K/V after each row's committed length and
-    attends: with the CPU kernel (:mod:`..cpu_attention`, where it runs) every row over its own
-    columns and tokens in one call; else by SDPA per range of rows (:func:`row_groups`), each range
+    attends: in a plain step (one token per row) with the CPU kernel (:mod:`..cpu_attention`, where
+    it runs), every row over its own columns in one call; else by SDPA per range of rows (:func:`row_groups`), each range
     padded only to its own longest draft (a padding query sees what ``block`` gives it and its
     output is dropped)."""
     engine = cache.engine
@@ -254,8 +255,9 @@ def _slot_attention(cache: SlotCache, B: int, n: int, block: torch.Tensor | None
     lengths = torch.tensor(lens, device=dev)
     T = sum(counts)
     # where each real token's K/V goes: its row, at the row's committed length + its index
+    starts = [0, *itertools.accumulate(counts[:-1])]  # each row's first real token
     rows = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(counts, device=dev))
-    first = torch.tensor([0] + counts[:-1], device=dev).cumsum(0)  # each row's first real token
+    first = torch.tensor(starts, device=dev)
     write = lengths[rows] + torch.arange(T, device=dev) - first[rows]
     kv = cache.kv
     if cache.kernel and n == 1:  # every row over its own columns in one call, no ranges (plain steps only:
@@ -277,7 +279,7 @@ def _slot_attention(cache: SlotCache, B: int, n: int, block: torch.Tensor | None
         plain = m == 1 and min(lens[s:e]) == max(lens[s:e])
         masks.append(None if plain else row_mask(lengths[s:e], block[s:e, :m, :m], engine.groups))
         for r in range(s, e):  # the range's [rows, m] tokens: real ones by flat index, padding as T
-            gather.extend(int(first[r]) + j if j < counts[r] else T for j in range(m))
+            gather.extend(starts[r] + j if j < counts[r] else T for j in range(m))
     padding = len(gather) != T
     if padding:
         gather = torch.tensor(gather, device=dev)
