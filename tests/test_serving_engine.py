@@ -487,7 +487,9 @@ def test_engine_returns_freed_memory_when_idle_and_every_few_seconds_under_load(
     with ServingEngine(target, None, max_batch=2) as eng:
         ids, _, _ = eng.generate(Request(prompts(1)[0], max_new_tokens=6, stop_at_eos=False))
         assert len(ids) == 6
-        assert len(calls) >= 6
+        # six steps (prefill + 5 decodes); the trim after the last step may still be running when
+        # the last token arrives, so only the five before it are certain
+        assert len(calls) >= 5
     monkeypatch.setattr(scheduler, "TRIM_SECONDS", 3600.0)  # under load never; idle once at the end
     calls.clear()
     with ServingEngine(target, None, max_batch=2) as eng:
