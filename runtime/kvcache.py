@@ -41,9 +41,26 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     B, n, hq, D = q.shape
     hkv = keys.shape[1]
     g = hq // hkv
-    qg = q.reshape(B, n, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, hkv, g * n, D)
+    # PyTorch's CPU SDPA keeps a JIT kernel per query-row count it has seen, and never frees them
+    # (measured: +80 MB of native memory over ~1,100 distinct prefill chunk lengths, the rise of a
+    # server's RSS in the soak, docs/results.md twelfth session). Past QUERY_BUCKET tokens the rows
+    # are padded to a multiple of it (the extra rows are dropped), so long-running processes see
+    # few distinct shapes; shorter steps (decode, drafts) already have few.
+    pad = (-n) % QUERY_BUCKET if n > QUERY_BUCKET else 0
+    m = n + pad
+    if pad:
+        q = F.pad(q, (0, 0, 0, 0, 0, pad))
+        if mask is not None:  # [..., g*n, S] -> [..., g*m, S]; padded rows see every column
+            lead, S = mask.shape[:-2], mask.shape[-1]
+            mask = F.pad(mask.reshape(*lead, g, n, S), (0, 0, 0, pad), value=True if mask.dtype == torch.bool else 0.0) \
+                .reshape(*lead, g * m, S)
+    qg = q.reshape(B, m, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, hkv, g * m, D)
     o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
-    return o.view(B, hkv, g, n, D).permute(0, 3, 1, 2, 4).reshape(B, n, hq * D)
+    return o.view(B, hkv, g, m, D)[:, :, :, :n].permute(0, 3, 1, 2, 4).reshape(B, n, hq * D)
+
+
+#: query tokens above which attention pads them to a multiple of this (see :func:`grouped_attention`)
+QUERY_BUCKET = 16
 
 
 def row_mask(starts: torch.Tensor, block: torch.Tensor, groups: int) -> torch.Tensor:

@@ -420,3 +420,39 @@ def _mask_buffer_checks():
     m = buf.get(torch.tensor([[True, False], [True, True]]), 1, 2, 3000)  # a wider one doubles as before
     assert m.shape == (1, 1, 6, 3002) and buf.buf.shape[1] >= 3002
     assert m[0, 0, 0, :3000].all() and not m[0, 0, 0, 3001] and m[0, 0, 1, 3001]
+
+
+@pytest.mark.parametrize("n, with_mask", [(1, True), (16, True), (17, True), (40, False), (53, True)])
+def test_attention_pads_long_query_blocks_to_few_shapes_and_keeps_every_row(n, with_mask, monkeypatch):
+    """PyTorch's CPU SDPA keeps a kernel per query-row count for good (the soak's RSS rise): past
+    QUERY_BUCKET tokens the rows reach SDPA padded to a multiple of it, and each real row's output
+    is what unpadded attention gives."""
+    import torch.nn.functional as F
+
+    from specfoundry.runtime import kvcache
+
+    torch.manual_seed(0)
+    B, hq, hkv, D, S = 2, 6, 2, 8, n + 9
+    g = hq // hkv
+    q = torch.randn(B, n, hq, D)
+    keys, values = torch.randn(B, hkv, S, D), torch.randn(B, hkv, S, D)
+    mask = torch.rand(B, 1, g * n, S) > 0.3 if with_mask else None
+    if mask is not None:
+        mask[..., 0] = True  # every row sees a column
+    # reference: every query head against its KV head, no stacking, no padding
+    ref = torch.empty(B, n, hq, D)
+    for h in range(hq):
+        kv = h // g
+        m = None if mask is None else mask[:, 0, (h % g) * n:(h % g + 1) * n]
+        ref[:, :, h] = F.scaled_dot_product_attention(q[:, :, h], keys[:, kv], values[:, kv], attn_mask=m, scale=0.3)
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(qg, *args, **kwargs):
+        seen.append(qg.shape[2] // g)
+        return sdpa(qg, *args, **kwargs)
+
+    monkeypatch.setattr(kvcache.F, "scaled_dot_product_attention", spy)
+    out = kvcache.grouped_attention(q, keys, values, mask, 0.3)
+    torch.testing.assert_close(out, ref.reshape(B, n, hq * D), atol=1e-5, rtol=1e-5)
+    assert seen == [n if n <= kvcache.QUERY_BUCKET else -(-n // kvcache.QUERY_BUCKET) * kvcache.QUERY_BUCKET]
