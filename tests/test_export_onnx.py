@@ -265,6 +265,11 @@ def test_medusa_export_external_data_and_end_to_end(exported, tiny, prompts, tmp
     assert rep["op_counts"].get("Attention", 0) == 0
     x = torch.randn(2, 3, 32)
     assert (OrtMedusaHeads(path)(x) - heads(x)).abs().max() < 1e-4
+    assert OrtMedusaHeads(path).tree_choices() == heads.tree_choices()  # the default tree
+    # a checkpoint's own tree (e.g. fitted by training) travels with the graph
+    heads.drafter_options = {"choices": [[0], [1], [0, 0]]}
+    export_onnx(heads, tmp_path / "fitted.onnx", "standard")
+    assert OrtMedusaHeads(tmp_path / "fitted.onnx").tree_choices() == [[0], [1], [0, 0]]
     # the target graph from the EAGLE-3 export outputs layer L (what Medusa reads) too
     e2e = greedy_end_to_end(tiny, heads, graph_paths(exported["out_dir"], "plugin")["target"], path, prompts,
                             max_new_tokens=24)

@@ -237,7 +237,12 @@ CROSS = [
     (MINIMAL + "data: {prompts: [{source: magpie, count: 8}], eval_prompts: 8}\n",
      "data.eval_prompts: holds out 8 of only 8 prompts"),
     ("method: medusa1\ntraining: {max_steps: 5}\nspeculator: {choices: [[0], [1, 0]]}\n",
-     "path [1, 0] lacks its prefix [1]"),
+     "the prefix [1] of a path is missing"),
+    ("method: medusa1\ntraining: {max_steps: 5}\nspeculator: {choices: fit}\n",
+     "speculator.choices: 'fit' needs held-out sequences: set training.eval_every > 0"),
+    ("method: medusa2\ntraining: {max_steps: 5, eval_every: 2}\nspeculator: {lora: {r: 4}, choices: fit}\n"
+     "data: {hidden_states: online}\n", "speculator.choices: 'fit' measures the heads on the frozen target"),
+    ("method: medusa1\ntraining: {max_steps: 5}\nspeculator: {choices: grow}\n", "choices"),
     ("method: medusa2\ntraining: {max_steps: 5}\nspeculator: {lora: {r: 4}}\ndata: {hidden_states: offline}\n",
      "data.hidden_states: medusa2 trains the backbone"),
     ("method: eagle\ntraining: {max_steps: 5}\ntarget: {feature_layers: [3, 4]}\n",

@@ -193,3 +193,36 @@ def test_run_directory_ownership_and_nan_checkpoints_through_the_cli(tmp_path, t
     assert cli(["export", str(run), "--target", str(tiny_target_dir), "--formats", "vllm,sglang"]) == 2
     assert "non-finite" in capsys.readouterr().err
     assert not (run / "export" / "vllm").exists()
+
+
+def test_medusa1_run_fits_its_tree_to_the_heads_and_keeps_it(tmp_path, tiny_target_dir, monkeypatch):
+    """``speculator.choices: fit``: after training the heads are measured on the held-out
+    sequences, the best-counted paths become the checkpoint's tree (its drafter's and exporter's
+    default), never worse than the default tree on those counts, and decoding stays lossless."""
+    from specfoundry.train.run import main
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    path = _recipe(tmp_path, tiny_target_dir)
+    recipe = yaml.safe_load(path.read_text())
+    recipe.update(name="tiny-medusa1", method="medusa1")
+    recipe["speculator"] = {"num_heads": 2, "draft_vocab_size": 512, "choices": "fit"}
+    recipe["training"]["eval_every"] = 2
+    recipe["data"]["prompts"][0]["limit"] = 24  # enough sequences that one is split off for the fit
+    path.write_text(yaml.safe_dump(recipe))
+    assert main([str(path)]) == 0
+    run = tmp_path / "run"
+    summary = json.loads((run / "train_summary.json").read_text())
+    tree = summary["tree"]
+    assert tree["positions"] > 0 and tree["nodes"] == 24 == len(tree["choices"])
+    assert tree["expected_tau"]["fitted"] >= tree["expected_tau"]["default"] >= 1.0
+    stored = read_config(run / "speculator")["training"]["drafter_options"]["choices"]
+    assert stored == tree["choices"]
+    paths = {tuple(c) for c in stored}
+    assert all(len(c) == 1 or tuple(c[:-1]) in paths for c in stored) and all(len(c) <= 2 for c in stored)
+    target = load_target(str(tiny_target_dir))
+    drafter = load_drafter(str(run / "speculator"), target=target)
+    assert sorted(drafter.paths) == sorted(stored)
+    gen = SpeculativeGenerator(target, drafter, adaptive=False)
+    spec = gen.generate(prompt="Hello there", max_new_tokens=12, stop_at_eos=False)
+    assert spec.token_ids == gen.generate(prompt="Hello there", max_new_tokens=12, stop_at_eos=False,
+                                          speculate=False).token_ids

@@ -69,8 +69,20 @@ def cross_check(r) -> list[tuple[str, str]]:
     if r.method == "medusa2" and s.lora is None:
         out.append(("speculator.lora", "medusa2 trains the backbone jointly through LoRA: set speculator.lora "
                                        "(e.g. {r: 16, alpha: 32}); use medusa1 for frozen-backbone heads"))
-    if r.method in ("medusa1", "medusa2") and s.choices is not None:
-        out += _check_choices(s.choices, s.num_heads)
+    if r.method in ("medusa1", "medusa2") and s.choices == "fit":
+        if r.method != "medusa1":
+            out.append(("speculator.choices", "'fit' measures the heads on the frozen target's held-out features: "
+                                              "medusa1 only (medusa2 trains the backbone); give the paths instead"))
+        elif not r.training.eval_every:
+            out.append(("speculator.choices", "'fit' needs held-out sequences: set training.eval_every > 0 "
+                                              "(they are split off for the mid-run evaluation)"))
+    elif r.method in ("medusa1", "medusa2") and s.choices is not None:
+        from specfoundry.runtime.adaptive import MAX_DRAFT_NODES
+        from specfoundry.runtime.speculators.checkpoint import choices_problem
+
+        problem = choices_problem(s.choices, MAX_DRAFT_NODES - 1, s.num_heads)
+        if problem:
+            out.append(("speculator.choices", problem))
     if r.method == "medusa2" and s.lora is not None and not s.lora.target_modules:
         out.append(("speculator.lora.target_modules", "must name at least one module"))
     if r.method == "draft":
@@ -135,23 +147,6 @@ def cross_check(r) -> list[tuple[str, str]]:
     if any(x < 0 for x in ev.temperatures):
         out.append(("evaluation.temperatures", f"must be >= 0, got {ev.temperatures}"))
     return out
-
-
-def _check_choices(choices: list[list[int]], num_heads: int) -> list[tuple[str, str]]:
-    key = "speculator.choices"
-    if not choices:
-        return [(key, "must not be empty (null = the runtime's default tree)")]
-    paths = {tuple(c) for c in choices}
-    for c in choices:
-        if not c or any(x < 0 for x in c):
-            return [(key, f"every path must be a non-empty list of ranks >= 0, got {c}")]
-        if len(c) > num_heads:
-            return [(key, f"path {c} is deeper than num_heads {num_heads}")]
-        if len(c) > 1 and tuple(c[:-1]) not in paths:
-            return [(key, f"path {c} lacks its prefix {c[:-1]} (the tree must be prefix-closed)")]
-    if len(paths) != len(choices):
-        return [(key, "paths must be distinct")]
-    return []
 
 
 def _known_prompt_count(d) -> int | None:

@@ -124,8 +124,10 @@ class MedusaSpeculator(_Section):
     # draft vocabulary; the d2t map is saved with the heads); None = the full vocabulary (Medusa's)
     draft_vocab_size: int | None = Field(None, ge=1)
     # static tree as paths of per-head ranks, e.g. [[0], [0, 0], [1]]; must be prefix-closed.
+    # "fit" (medusa1): the 24 paths most often right on the held-out sequences, measured on the
+    # trained heads (train/methods/medusa.py). Either is saved with the heads and is their default.
     # None = the runtime's default tree (runtime.speculators.medusa.default_medusa_choices)
-    choices: list[list[int]] | None = None
+    choices: list[list[int]] | Literal["fit"] | None = None
 
 
 class LoraConfig(_Section):

@@ -429,7 +429,10 @@ def main(argv: list[str] | None = None) -> int:
                         "training": training_stage(steps, summary, tr.max_minutes)}
     if acc.is_main_process:
         with plain_hf_init():
-            _save_and_evaluate(recipe, target, module, state_dict, run_dir, summary, heldout, result, acc, t0)
+            heldout_batches = None if val_ds is None else \
+                (lambda: val_source.batches(val_ds, tr.batch_size, seed=0, epoch=0, shuffle=False))
+            _save_and_evaluate(recipe, target, module, state_dict, run_dir, summary, heldout, result, acc, t0,
+                               heldout_batches)
     # the other ranks wait for the main one's save and evaluation: a rank that exits while its
     # peers still hold the gloo group can abort ("terminate called without an active exception")
     acc.wait_for_everyone()
@@ -437,9 +440,37 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def fit_tree(spec_dir: Path, target, batches) -> dict:
+    """A Medusa checkpoint's static tree fitted to its heads on held-out ``batches`` (features as
+    in training): the paths most often right (``runtime.speculators.fit_medusa_choices``), stored
+    as the checkpoint's ``training.drafter_options.choices``. Returns what was measured."""
+    from collections import Counter
+
+    from specfoundry.runtime.speculators import default_medusa_choices, fit_medusa_choices, load_speculator, tree_accepted
+    from specfoundry.runtime.speculators.checkpoint import set_drafter_options
+
+    from .methods import MedusaMethod
+
+    heads = load_speculator(spec_dir, target)
+    method = MedusaMethod(heads, target.lm_head).eval()
+    counts, positions = Counter(), 0
+    for batch in batches:
+        c, n = method.path_counts(batch)
+        counts.update(c)
+        positions += n
+    fitted = fit_medusa_choices(counts, heads.num_heads)
+    set_drafter_options(spec_dir, {"choices": fitted})
+    default = default_medusa_choices(heads.num_heads, len(fitted))
+    return {"choices": fitted, "nodes": len(fitted), "positions": positions,
+            "expected_tau": {name: round(1 + tree_accepted(c, counts, positions), 4)
+                             for name, c in (("fitted", fitted), ("default", default))}}
+
+
 def _save_and_evaluate(recipe, target, module, state_dict, run_dir: Path, summary: dict, heldout, result: dict, acc,
-                       t_start: float):
-    """Main process: write the speculator, measure tau on the evaluation sets, write train_summary.json."""
+                       t_start: float, heldout_batches=None):
+    """Main process: write the speculator (with its fitted Medusa tree, ``heldout_batches``: a
+    callable giving the held-out feature batches), measure tau on the evaluation sets, write
+    train_summary.json."""
     from specfoundry.runtime import load_drafter
 
     from .evaluate import BUILTIN_HELDOUT, evaluate_speculator
@@ -450,7 +481,18 @@ def _save_and_evaluate(recipe, target, module, state_dict, run_dir: Path, summar
     meta = {"recipe": recipe.name, "steps": summary["global_step"], "tokens": summary["tokens"]}
     if recipe.method in ("eagle3", "eagle") and options:
         meta["drafter_options"] = {**options, "depth": ev.depth}  # load_drafter's default shape
+    choices = getattr(recipe.speculator, "choices", None)
+    if recipe.method in ("medusa1", "medusa2") and isinstance(choices, list):
+        meta["drafter_options"] = {"choices": choices}  # the recipe's tree: the heads' default
     spec_dir, target = save_result(recipe, target, module, state_dict, run_dir, meta)
+    if choices == "fit" and heldout_batches is not None:
+        result["tree"] = fit_tree(spec_dir, target, heldout_batches())
+        t = result["tree"]
+        acc.print(f"[eval] medusa tree fitted on {t['positions']} held-out positions: {t['nodes']} nodes, expected "
+                  f"tau {t['expected_tau']['fitted']:.2f} (the default tree: {t['expected_tau']['default']:.2f})")
+    elif choices == "fit":  # too few sequences to split any off: said, not hidden
+        result["tree"] = {"choices": "default", "why": "no held-out sequences to fit the tree on"}
+        acc.print("[eval] medusa tree NOT fitted (no held-out sequences): the heads keep the default tree")
     sets, skipped = {}, {}
     for name in ev.prompt_sets:
         if name == BUILTIN_HELDOUT:

@@ -444,7 +444,8 @@ def export_onnx(module_or_target, out_path, variant: str = "standard", *, featur
                 "vocab_size": a["vocab_size"], "feature_layers": list(heads.feature_layers),
                 "dtype": _dtype_name(heads.dtype), "architecture": a, "target": heads.target_identity,
                 # reduced-vocabulary heads: the graph's logits are over these target ids
-                "d2t": None if heads.draft_to_target is None else [int(i) for i in heads.draft_to_target.tolist()]}
+                "d2t": None if heads.draft_to_target is None else [int(i) for i in heads.draft_to_target.tolist()],
+                "choices": heads.tree_choices()}  # the static tree it drafts (the checkpoint's own)
         with torch.no_grad():
             prog = _run_export(MedusaGraph(heads), (hidden,), ({0: D, 1: D},), ["hidden"], ["logits"], custom=False)
         return _finish(prog, path, meta, external_data)

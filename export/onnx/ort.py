@@ -338,6 +338,15 @@ class OrtMedusaHeads(MedusaHeads):
         self.session = make_session(path, threads, providers)
         self.architecture = dict(self.meta["architecture"])
         self.target_identity = self.meta.get("target")
+        # the exported static tree (graphs written before it was recorded: the default tree)
+        self.drafter_options = {"choices": self.meta["choices"]} if self.meta.get("choices") else {}
+        if self.drafter_options:
+            from specfoundry.runtime.adaptive import MAX_DRAFT_NODES
+            from specfoundry.runtime.speculators.checkpoint import choices_problem
+
+            problem = choices_problem(self.meta["choices"], MAX_DRAFT_NODES - 1, self.architecture["num_heads"])
+            if problem:
+                raise ValueError(f"{path}: the graph's static tree (choices): {problem}")
         self._np_dtype = _np_dtype(self.meta)
         d2t = self.meta.get("d2t")  # reduced-vocabulary heads: draft id -> target id
         self._d2t = None if d2t is None else torch.tensor(d2t, dtype=torch.long)

@@ -112,12 +112,10 @@ def _base_tensors(target, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def _export_medusa(heads, target, out_dir, choices, include_target: bool, dtype) -> dict:
-    from specfoundry.runtime.speculators import default_medusa_choices
-
     check_head_target(heads, target)
     out_dtype = dtype or heads.dtype
     K, n = heads.num_heads, heads.architecture["num_layers"]
-    choices = default_medusa_choices(K) if choices is None else [list(map(int, c)) for c in choices]
+    choices = heads.tree_choices() if choices is None else [list(map(int, c)) for c in choices]
     too_deep = [c for c in choices if not 1 <= len(c) <= K]
     if too_deep:
         raise ValueError(f"medusa choices must have 1..{K} entries each, got {too_deep[:3]}")
@@ -151,8 +149,8 @@ def export_trtllm(head, target, out_dir, *, medusa_choices=None, include_target:
     """Write ``head`` as a TensorRT-LLM checkpoint (Medusa) or the HF EAGLE layout TRT-LLM's
     converter reads (EAGLE-1); returns a report entry (``skipped`` with the reason otherwise).
 
-    ``medusa_choices``: the static tree recorded in the config (default: the runtime's
-    :func:`~specfoundry.runtime.speculators.default_medusa_choices`). ``include_target``: also
+    ``medusa_choices``: the static tree recorded in the config (default: the checkpoint's own,
+    :meth:`~specfoundry.runtime.speculators.MedusaHeads.tree_choices`). ``include_target``: also
     write the base model's weights (Medusa).
     """
     kind = kind_of(head)

@@ -6,6 +6,7 @@ token with known features (the token before the root); head ``k`` proposes the t
 steps after the root, so a node at depth ``d`` takes its token from head ``d - 1``.
 
 The tree is static: ``choices`` (Medusa's rank paths, see :func:`tree_from_choices`), default
+the checkpoint's own (a recipe's tree, or one fitted to the heads by training), else
 :func:`~specfoundry.runtime.speculators.default_medusa_choices` for the heads (24 draft nodes).
 ``ctx.max_depth``/``ctx.max_nodes`` truncate it to a prefix of the depth-then-choice order,
 which stays closed under ancestors.
@@ -29,7 +30,7 @@ import torch
 
 from ..adaptive import MAX_DRAFT_NODES
 from ..sampling import probs_from_logits, sample
-from ..speculators import MedusaHeads, default_medusa_choices, load_speculator
+from ..speculators import MedusaHeads, load_speculator
 from ..tree import Draft, tree_depths, tree_from_choices
 from .base import DraftContext, Drafter, register_drafter
 
@@ -43,7 +44,7 @@ class MedusaDrafter(Drafter):
         if not isinstance(heads, MedusaHeads):
             raise TypeError(f"the medusa drafter needs MedusaHeads, got {type(heads).__name__}")
         K = heads.num_heads
-        choices = default_medusa_choices(K) if choices is None else [list(c) for c in choices]
+        choices = heads.tree_choices() if choices is None else [list(c) for c in choices]
         if not choices:
             raise ValueError("medusa choices must hold at least one path")
         if len(choices) + 1 > MAX_DRAFT_NODES:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .checkpoint import CheckpointError, TargetMismatchError, load_speculator, read_config, save_speculator
 from .eagle import Eagle3Head, EagleHead
-from .medusa import MedusaHeads, default_medusa_choices
+from .medusa import MedusaHeads, default_medusa_choices, fit_medusa_choices, tree_accepted
 from .registry import SPECULATOR_REGISTRY
 
 __all__ = [
@@ -27,7 +27,9 @@ __all__ = [
     "MedusaHeads",
     "TargetMismatchError",
     "default_medusa_choices",
+    "fit_medusa_choices",
     "load_speculator",
     "read_config",
     "save_speculator",
+    "tree_accepted",
 ]

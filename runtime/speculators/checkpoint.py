@@ -192,14 +192,41 @@ def drafter_option_problems(options) -> list[tuple[str | None, str]]:
         if key == "tree":
             if value not in ("dynamic", "chain"):
                 out.append((key, f"must be 'dynamic' or 'chain', got {value!r:.60}"))
+        elif key == "choices":  # a Medusa checkpoint's static tree (rank paths, prefix-closed)
+            problem = choices_problem(value, MAX_DRAFT_NODES - 1, MAX_DRAFT_DEPTH)
+            if problem:
+                out.append((key, problem))
         elif key in bounds:
             try:
                 check_int(key, value, *bounds[key])
             except ValueError as exc:
                 out.append((key, str(exc)))
         else:
-            out.append((key, f"unknown draft option (allowed: tree, {', '.join(bounds)})"))
+            out.append((key, f"unknown draft option (allowed: tree, choices, {', '.join(bounds)})"))
     return out
+
+
+def choices_problem(choices, max_paths: int, max_depth: int) -> str | None:
+    """What is wrong with a static tree given as Medusa rank paths (None: nothing): a non-empty
+    list of distinct, non-empty lists of integer ranks >= 0, at most ``max_paths`` of them, none
+    deeper than ``max_depth``, every path's prefix present (prefix-closed)."""
+    if not isinstance(choices, list) or not choices:
+        return f"expected a non-empty list of rank paths, got {choices!r:.60}"
+    if len(choices) > max_paths:
+        return f"{len(choices)} paths, more than the {max_paths} draft nodes allowed"
+    paths = set()
+    for c in choices:
+        if not isinstance(c, list) or not c or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in c):
+            return f"every path must be a non-empty list of integer ranks >= 0, got {c!r:.60}"
+        if len(c) > max_depth:
+            return f"path {c} is deeper than {max_depth}"
+        paths.add(tuple(c))
+    if len(paths) != len(choices):
+        return "paths must be distinct"
+    missing = next((list(p[:-1]) for p in paths if len(p) > 1 and p[:-1] not in paths), None)
+    if missing is not None:
+        return f"the prefix {missing} of a path is missing (the tree must be prefix-closed)"
+    return None
 
 
 #: the draft-shape keys of ``training.drafter_options`` / ``training.runtime_shape`` (EAGLE drafters' options)
@@ -249,10 +276,21 @@ def set_runtime_shape(path, shape: dict) -> dict:
     """Store ``shape`` (see :func:`~specfoundry.runtime.tune.measure_runtime_shape`) as the
     checkpoint's ``training.runtime_shape``, replacing ``config.json`` atomically; returns the new
     config. The weights are untouched."""
+    return _set_training_field(path, "runtime_shape", shape)
+
+
+def set_drafter_options(path, options: dict) -> dict:
+    """Merge ``options`` into the checkpoint's ``training.drafter_options`` (the draft shape its
+    drafter loads with, e.g. a Medusa tree fitted after training), as :func:`set_runtime_shape`."""
+    return _set_training_field(path, "drafter_options",
+                               {**((read_config(path).get("training") or {}).get("drafter_options") or {}), **options})
+
+
+def _set_training_field(path, key: str, value) -> dict:
     from ..atomic import atomic_file
 
     cfg = read_config(path)
-    cfg.setdefault("training", {})["runtime_shape"] = shape
+    cfg.setdefault("training", {})[key] = value
     text = json.dumps(cfg, indent=2, allow_nan=False)
     validate_config(json.loads(text), "<config being saved>")
     file = Path(path) / CONFIG_NAME
@@ -406,4 +444,7 @@ def load_speculator(path, target, device=None, dtype=None) -> nn.Module:
     # cast floating tensors first so a bf16 checkpoint loaded as fp32 (or back) is one copy
     module = module.to(dtype)
     module.load_state_dict(tensors, strict=True)
+    # the draft options it was evaluated with (e.g. a Medusa checkpoint's fitted tree): drafters
+    # and exporters take them as their defaults
+    module.drafter_options = dict((cfg.get("training") or {}).get("drafter_options") or {})
     return module.to(device or target.device).eval()

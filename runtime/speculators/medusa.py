@@ -34,7 +34,7 @@ from torch import nn
 from .eagle import seeded_init
 from .vocab import set_draft_vocab
 
-__all__ = ["ResBlock", "MedusaHeads", "default_medusa_choices"]
+__all__ = ["ResBlock", "MedusaHeads", "default_medusa_choices", "fit_medusa_choices", "tree_accepted"]
 
 
 class ResBlock(nn.Module):
@@ -83,6 +83,7 @@ class MedusaHeads(nn.Module):
             t2d[:Vd] = True
             self.register_buffer("t2d", t2d)
         self.target_identity: dict | None = None
+        self.drafter_options: dict = {}  # a loaded checkpoint's training.drafter_options
 
     @property
     def num_heads(self) -> int:
@@ -96,6 +97,12 @@ class MedusaHeads(nn.Module):
     def draft_vocab_size(self) -> int:
         """Rows of each head's ``lm_head`` (the target's vocabulary size for full-vocabulary heads)."""
         return self.architecture.get("draft_vocab_size", self.architecture["vocab_size"])
+
+    def tree_choices(self) -> list[list[int]]:
+        """The static tree this checkpoint was evaluated with (its stored ``choices``, e.g. fitted to
+        its heads' measured ranks by training), else :func:`default_medusa_choices`."""
+        stored = self.drafter_options.get("choices")
+        return [list(c) for c in stored] if stored else default_medusa_choices(self.num_heads)
 
     @property
     def draft_to_target(self) -> torch.Tensor | None:
@@ -225,3 +232,32 @@ def default_medusa_choices(num_heads: int, num_nodes: int = 24) -> list[list[int
             for r in range(len(w)):
                 heapq.heappush(heap, (negv * w[r], path + (r,)))
     return out
+
+
+def tree_accepted(choices: list[list[int]], prefix_counts: dict, positions: int) -> float:
+    """Expected accepted draft tokens per step of the static tree ``choices`` on measured data:
+    ``prefix_counts[path]`` is how many of ``positions`` positions had every head of ``path``
+    right at that path's ranks (a node is accepted exactly when its path is), so the expectation
+    is the sum over the tree's nodes. tau = 1 + this."""
+    return sum(prefix_counts.get(tuple(c), 0) for c in choices) / max(positions, 1)
+
+
+def fit_medusa_choices(prefix_counts: dict, num_heads: int, num_nodes: int = 24) -> list[list[int]]:
+    """The static tree of ``num_nodes`` paths that maximises :func:`tree_accepted` on the measured
+    ``prefix_counts`` (Medusa's tree search from its heads' measured accuracies, but on joint
+    counts instead of a product of per-head rates, so heads that fail together are priced as
+    such). A path is never counted more often than its prefix, so the best ``num_nodes`` by count
+    (ties: shorter, then lower ranks) are prefix-closed; with fewer measured paths than nodes the
+    rest comes from :func:`default_medusa_choices`."""
+    measured = sorted(((n, p) for p, n in prefix_counts.items() if n > 0 and 1 <= len(p) <= num_heads),
+                      key=lambda t: (-t[0], len(t[1]), t[1]))
+    out = [list(p) for _, p in measured[:num_nodes]]
+    have = {tuple(c) for c in out}
+    for c in default_medusa_choices(num_heads, 10 * num_nodes):
+        if len(out) >= num_nodes:
+            break
+        if tuple(c) not in have and (len(c) == 1 or tuple(c[:-1]) in have):
+            out.append(c)
+            have.add(tuple(c))
+    return out
+

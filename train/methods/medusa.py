@@ -6,13 +6,19 @@ is also Medusa-2's heads term (there the heads read the trained backbone's state
 Reduced-vocabulary heads (``draft_vocab_size``, ``heads.draft_to_target`` set): as EAGLE-3's,
 the label is the target's distribution restricted to the draft vocabulary (its logits over the
 ``d2t`` rows of the target's LM head, renormalised), so neither side ever materialises the full
-vocabulary."""
+vocabulary.
+
+:meth:`MedusaMethod.path_counts` measures trained heads for a static tree (``speculator.choices:
+fit``): per position, the rank of the target's greedy token in each head's candidates, counted
+for every prefix of heads that are all right (see ``runtime.speculators.fit_medusa_choices``)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
-from .common import finish_metrics, soft_ce
+from .common import finish_metrics, soft_ce, top1
 
 
 class MedusaMethod(torch.nn.Module):
@@ -52,3 +58,41 @@ class MedusaMethod(torch.nn.Module):
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
         valid = batch["attention_mask"].bool() & batch["loss_mask"].bool()
         return self.head_losses(batch["last_hidden"], batch["last_hidden"], valid)
+
+    @torch.no_grad()
+    def path_counts(self, batch: dict, ranks: int = 10) -> tuple[Counter, int]:
+        """``(counts, positions)`` over the batch's positions ``t`` whose labels for every head are
+        valid: ``counts[(r_0, ..., r_j)]`` is how many had head ``i``'s rank-``r_i`` candidate equal
+        the target's greedy token ``t + 2 + i`` for every ``i <= j`` (ranks beyond ``ranks`` count as
+        misses). The greedy token is the target's top-1 over the heads' vocabulary (the draft
+        vocabulary for reduced heads: a token outside it is one no candidate can match anyway,
+        apart from ties)."""
+        h = batch["last_hidden"].to(next(self.heads.parameters()).dtype)
+        valid = batch["attention_mask"].bool() & batch["loss_mask"].bool()
+        K, L = self.heads.num_heads, h.shape[1]
+        n = L - 1 - K  # positions t with t + 1 + K < L: all K labels exist
+        if n < 1:
+            return Counter(), 0
+        w = self._lm["head"].weight.detach()
+        d2t = self.heads.draft_to_target
+        if d2t is not None:
+            w = w[d2t.to(w.device)]
+        logits = self.heads(h[:, :n])  # [B, n, K, V]
+        R = min(ranks, logits.shape[-1])
+        rank = torch.full((h.shape[0], n, K), R, dtype=torch.long, device=h.device)
+        ok = torch.ones(h.shape[0], n, dtype=torch.bool, device=h.device)
+        for k in range(K):
+            label = top1(h[:, 1 + k : 1 + k + n].to(w.dtype) @ w.T)  # [B, n] (draft ids)
+            hit = logits[:, :, k].topk(R, dim=-1).indices == label[..., None]  # [B, n, R]
+            rank[:, :, k] = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(label, R))
+            ok &= valid[:, 2 + k : 2 + k + n]
+        counts: Counter = Counter()
+        for row in rank[ok].tolist():
+            path = ()
+            for r in row:
+                if r >= R:
+                    break
+                path += (r,)
+                counts[path] += 1
+        return counts, int(ok.sum())
+
