@@ -247,16 +247,24 @@ async def _soak(url: str, prompts: list[list[dict]], seconds: float, max_tokens:
 def rss_trend(samples: list[tuple]) -> dict:
     """Growth of resident memory over a soak from ``(seconds, MB or None, ...)`` samples, split in
     halves: warm-up growth (new shapes, caches)
-    lands in the first half; a leak keeps growing in the second. MB per minute over the second half."""
+    lands in the first half; a leak keeps growing in the second. The second half's growth is its
+    least-squares slope (MB per minute, and times the half's span): single samples swing by the
+    phase just served (+-80 MB between a 32-client and a 1-client phase at max batch 32, twelfth
+    session), so two end points read a swing as growth or shrinkage."""
     pts = [(t, mb) for t, mb, *_ in samples if mb is not None]
     if len(pts) < 3:
         return {"rss_first_half_mb": None, "rss_second_half_mb": None, "rss_second_half_mb_per_min": None}
     mid = pts[-1][0] / 2
     half = min(pts, key=lambda p: abs(p[0] - mid))
-    second = pts[-1][1] - half[1]
+    tail = [p for p in pts if p[0] >= half[0]]
     span = pts[-1][0] - half[0]
-    return {"rss_first_half_mb": round(half[1] - pts[0][1], 1), "rss_second_half_mb": round(second, 1),
-            "rss_second_half_mb_per_min": round(60 * second / span, 1) if span > 0 else None}
+    slope = None
+    if len(tail) >= 2 and span > 0:
+        tm, ym = sum(t for t, _ in tail) / len(tail), sum(y for _, y in tail) / len(tail)
+        slope = sum((t - tm) * (y - ym) for t, y in tail) / sum((t - tm) ** 2 for t, _ in tail)  # MB per second
+    return {"rss_first_half_mb": round(half[1] - pts[0][1], 1),
+            "rss_second_half_mb": round(slope * span, 1) if slope is not None else None,
+            "rss_second_half_mb_per_min": round(60 * slope, 1) if slope is not None else None}
 
 
 def _plot(levels: dict, path: Path) -> Path | None:

@@ -542,6 +542,9 @@ def test_soak_rss_trend_separates_warm_up_from_growth():
     # steady growth: 10 MB every 15 s -> 40 MB/min over the second half
     leak = rss_trend([(t, 1000.0 + 10 * t / 15) for t in range(0, 121, 15)])
     assert leak["rss_second_half_mb_per_min"] == pytest.approx(40.0)
+    # a flat server whose samples swing with the phase just served: no growth, whatever the last sample
+    swing = rss_trend([(t, 1000.0 + (80 if (t // 15) % 2 else -80)) for t in range(0, 601, 15)])
+    assert abs(swing["rss_second_half_mb_per_min"]) < 3
     # a server without the process collector reports nothing rather than a made-up trend
     assert rss_trend([(0, None), (15, None)])["rss_second_half_mb"] is None
     # samples may carry the phase's concurrency as a third field
