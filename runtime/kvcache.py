@@ -14,6 +14,10 @@ import torch.nn.functional as F
 __all__ = ["MaskBuffer", "StaticKVCache", "attend", "grouped_attention", "rotate", "row_mask"]
 
 
+#: query tokens above which attention pads them to a multiple of this (see :func:`grouped_attention`)
+QUERY_BUCKET = 16
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE (HF's rotate-half convention) of ``x`` ``[B, n, heads, D]`` with ``cos``/``sin`` ``[B, n, 1, D]``."""
     h = x.shape[-1] // 2
@@ -58,9 +62,6 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
     return o.view(B, hkv, g, m, D)[:, :, :, :n].permute(0, 3, 1, 2, 4).reshape(B, n, hq * D)
 
-
-#: query tokens above which attention pads them to a multiple of this (see :func:`grouped_attention`)
-QUERY_BUCKET = 16
 
 
 def row_mask(starts: torch.Tensor, block: torch.Tensor, groups: int) -> torch.Tensor:

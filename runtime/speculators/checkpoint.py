@@ -276,21 +276,21 @@ def set_runtime_shape(path, shape: dict) -> dict:
     """Store ``shape`` (see :func:`~specfoundry.runtime.tune.measure_runtime_shape`) as the
     checkpoint's ``training.runtime_shape``, replacing ``config.json`` atomically; returns the new
     config. The weights are untouched."""
-    return _set_training_field(path, "runtime_shape", shape)
+    return _update_training(path, lambda training: training.update(runtime_shape=shape))
 
 
 def set_drafter_options(path, options: dict) -> dict:
     """Merge ``options`` into the checkpoint's ``training.drafter_options`` (the draft shape its
     drafter loads with, e.g. a Medusa tree fitted after training), as :func:`set_runtime_shape`."""
-    return _set_training_field(path, "drafter_options",
-                               {**((read_config(path).get("training") or {}).get("drafter_options") or {}), **options})
+    return _update_training(path, lambda training: training.setdefault("drafter_options", {}).update(options))
 
 
-def _set_training_field(path, key: str, value) -> dict:
+def _update_training(path, update) -> dict:
+    """``update(cfg["training"])`` in place, then validate and replace ``config.json`` atomically."""
     from ..atomic import atomic_file
 
     cfg = read_config(path)
-    cfg.setdefault("training", {})[key] = value
+    update(cfg.setdefault("training", {}))
     text = json.dumps(cfg, indent=2, allow_nan=False)
     validate_config(json.loads(text), "<config being saved>")
     file = Path(path) / CONFIG_NAME

@@ -260,4 +260,3 @@ def fit_medusa_choices(prefix_counts: dict, num_heads: int, num_nodes: int = 24)
             out.append(c)
             have.add(tuple(c))
     return out
-

@@ -95,4 +95,3 @@ class MedusaMethod(torch.nn.Module):
                 path += (r,)
                 counts[path] += 1
         return counts, int(ok.sum())
-
