@@ -74,17 +74,34 @@ def _atomic_write_json(path: Path, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=1))
 
 
+#: batches per length group: shuffled rows are sorted by length within groups of this many
+#: batches, so a batch pads to a near-equal length. Random batches of the default recipe padded
+#: 35% more positions than they hold (the step is compute-bound); groups of 16 batches: ~3%
+LENGTH_GROUP = 16
+
+
 def batch_order(n: int, batch_size: int, *, seed: int, epoch: int, shuffle: bool = True,
-                drop_last: bool = False) -> list[list[int]]:
-    """Row indices of every batch of an epoch; a pure function of ``(seed, epoch)``."""
+                drop_last: bool = False, lengths=None) -> list[list[int]]:
+    """Row indices of every batch of an epoch; a pure function of ``(seed, epoch, lengths)``.
+
+    With ``lengths`` (one per row) and ``shuffle``, the shuffled rows are sorted by length within
+    groups of :data:`LENGTH_GROUP` batches and the batches are shuffled again, so batches hold
+    rows of similar length (less padding) and their order stays random."""
     if shuffle:
         g = torch.Generator().manual_seed(int(stable_hash("batch-order", seed, epoch)[:12], 16))
         perm = torch.randperm(n, generator=g).tolist()
     else:
         perm = list(range(n))
+    if shuffle and lengths is not None:
+        if len(lengths) != n:
+            raise ValueError(f"lengths has {len(lengths)} entries for {n} rows")
+        group = batch_size * LENGTH_GROUP
+        perm = [i for s in range(0, n, group) for i in sorted(perm[s:s + group], key=lambda i: -lengths[i])]
     batches = [perm[i:i + batch_size] for i in range(0, n, batch_size)]
     if drop_last and batches and len(batches[-1]) < batch_size:
         batches.pop()
+    if shuffle and lengths is not None:
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
     return batches
 
 
@@ -323,6 +340,15 @@ class HiddenStateSource:
         return f.get_slice("features")[off:off + n], f.get_slice("last_hidden")[off:off + n]
 
     # -- batches -------------------------------------------------------------------------------
+    def _lengths(self, dataset) -> list[int]:
+        """Token count of every row (remembered per dataset object: one pass, not one per epoch)."""
+        ref, n, lengths = getattr(self, "_lengths_of", (None, None, None))
+        if ref is None or ref() is not dataset or n != len(dataset):
+            column = dataset["input_ids"] if hasattr(dataset, "column_names") else [r["input_ids"] for r in dataset]
+            lengths = [len(x) for x in column]
+            self._lengths_of = (weakref.ref(dataset), len(dataset), lengths)
+        return lengths
+
     def num_batches(self, dataset, batch_size: int, *, drop_last: bool = False, world_size: int = 1) -> int:
         n = len(dataset) // batch_size if drop_last else math.ceil(len(dataset) / batch_size)
         return math.ceil(n / world_size) if world_size > 1 else n
@@ -339,7 +365,9 @@ class HiddenStateSource:
         """
         if self.mode == "offline":
             self._load_index(dataset)
-        order = batch_order(len(dataset), batch_size, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last)
+        lengths = self._lengths(dataset) if shuffle else None
+        order = batch_order(len(dataset), batch_size, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last,
+                            lengths=lengths)
         mine = order[rank::world_size]
         for rows_idx in mine[start_step:]:
             rows = [dataset[i] for i in rows_idx]
