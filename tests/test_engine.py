@@ -456,3 +456,24 @@ def test_attention_pads_long_query_blocks_to_few_shapes_and_keeps_every_row(n, w
     out = kvcache.grouped_attention(q, keys, values, mask, 0.3)
     torch.testing.assert_close(out, ref.reshape(B, n, hq * D), atol=1e-5, rtol=1e-5)
     assert seen == [n if n <= kvcache.QUERY_BUCKET else -(-n // kvcache.QUERY_BUCKET) * kvcache.QUERY_BUCKET]
+
+
+def test_onednn_products_run_on_a_bounded_set_of_row_counts():
+    """oneDNN caches a primitive per row count (~300 kB each, never returned): above 32 rows the
+    packed product pads to one of 8 sizes per octave, and the real rows' results are unchanged."""
+    from specfoundry.runtime import engine as E
+
+    sizes = [E.row_bucket(m) for m in range(1, 1025)]
+    assert sizes[:32] == list(range(1, 33))  # decode steps and small trees run exactly
+    assert all(m <= b <= m * 9 / 8 for m, b in zip(range(1, 1025), sizes))
+    assert len(set(sizes)) <= 72 and E.row_bucket(512) == 512 and E.row_bucket(513) == 576
+    if not _onednn_available():
+        pytest.skip("oneDNN's packed linear is unavailable in this torch build")
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(48, 40, generator=g), torch.randn(48, generator=g)
+    packed = KERNELS["onednn"][0](w)
+    for rows in (3, 33, 37, 100):
+        x = torch.randn(2, rows, 40, generator=g)
+        y = KERNELS["onednn"][1](x, packed, b)
+        assert y.shape == (2, rows, 48)
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
