@@ -15,11 +15,12 @@ import time
 
 PARENT_ENV = "SPECFOUNDRY_SERVE_PARENT_PID"  # set by launch.serve_subprocess: exit when that process is gone
 # oneDNN's primitive cache and ideep's LRU cache of the packed-weight kernels are keyed by shape and
-# hold 1024 entries each by default. A server sees a new row count at nearly every prefill (each
-# prompt length), so its resident memory grew for as long as new lengths arrived (measured: +1.7 MB
-# per request, +750 MB in a 10-minute soak; the same prompt repeated stays flat; flat with 64). Bounded
-# here, the hot decode shapes stay cached and a churned prefill shape costs one primitive creation.
-NATIVE_CACHE_CAPACITY = 64
+# hold 1024 entries each by default, ~250-400 kB per entry. Every row count of a product was a shape
+# (each prompt length, each batch), so the memory grew for as long as new counts came (+750 MB in a
+# 10-minute soak); capped at 64, shapes churned: a primitive created on most steps (+20% on the
+# products, thirteenth session). The engine now pads products above 32 rows to 8 sizes per octave
+# (``engine.row_bucket``: ~72 per weight), so 512 entries hold every shape a server uses.
+NATIVE_CACHE_CAPACITY = 512
 NATIVE_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
