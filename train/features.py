@@ -43,27 +43,45 @@ def dataset_hash(dataset) -> str:
     the masks the batches carry). Hashing every token costs a pass over the data, so the result
     is remembered per dataset object (the run names its feature store by it, the store's
     manifest records it: one pass, not two)."""
+    return _remembered("hash", dataset, _hash_rows)
+
+
+def _hash_rows(dataset) -> str:
     import hashlib
 
-    key = id(dataset)
-    ref, n, digest = _HASHES.get(key, (None, None, None))
-    if ref is not None and ref() is dataset and n == len(dataset):
-        return digest
     h = hashlib.sha256()
     for i in range(len(dataset)):
         row = dataset[i]
         h.update(str(_example_id(row, i)).encode())
         h.update(np.asarray(row["input_ids"], dtype=np.int64).tobytes())
         h.update(np.asarray(row["loss_mask"], dtype=np.bool_).tobytes())
-    digest = h.hexdigest()[:16]
+    return h.hexdigest()[:16]
+
+
+def _row_lengths(dataset) -> list[int]:
+    """Token count of every row (remembered per dataset object: one pass, not one per epoch)."""
+    def count(ds):
+        column = ds["input_ids"] if hasattr(ds, "column_names") else [r["input_ids"] for r in ds]
+        return [len(x) for x in column]
+
+    return _remembered("lengths", dataset, count)
+
+
+def _remembered(kind: str, dataset, compute):
+    """``compute(dataset)``, remembered per dataset object and ``kind`` while the dataset lives."""
+    key = (kind, id(dataset))
+    ref, n, value = _PER_DATASET.get(key, (None, None, None))
+    if ref is not None and ref() is dataset and n == len(dataset):
+        return value
+    value = compute(dataset)
     try:  # a weak reference: the cache never keeps a dataset alive, and its entry goes with it
-        _HASHES[key] = (weakref.ref(dataset, lambda _, k=key: _HASHES.pop(k, None)), len(dataset), digest)
-    except TypeError:  # a plain list cannot be weakly referenced: hashed again each time
+        _PER_DATASET[key] = (weakref.ref(dataset, lambda _, k=key: _PER_DATASET.pop(k, None)), len(dataset), value)
+    except TypeError:  # a plain list cannot be weakly referenced: computed again each time
         pass
-    return digest
+    return value
 
 
-_HASHES: dict[int, tuple] = {}
+_PER_DATASET: dict[tuple[str, int], tuple] = {}
 
 
 def _example_id(row: dict, index: int) -> int:
@@ -340,15 +358,6 @@ class HiddenStateSource:
         return f.get_slice("features")[off:off + n], f.get_slice("last_hidden")[off:off + n]
 
     # -- batches -------------------------------------------------------------------------------
-    def _lengths(self, dataset) -> list[int]:
-        """Token count of every row (remembered per dataset object: one pass, not one per epoch)."""
-        ref, n, lengths = getattr(self, "_lengths_of", (None, None, None))
-        if ref is None or ref() is not dataset or n != len(dataset):
-            column = dataset["input_ids"] if hasattr(dataset, "column_names") else [r["input_ids"] for r in dataset]
-            lengths = [len(x) for x in column]
-            self._lengths_of = (weakref.ref(dataset), len(dataset), lengths)
-        return lengths
-
     def num_batches(self, dataset, batch_size: int, *, drop_last: bool = False, world_size: int = 1) -> int:
         n = len(dataset) // batch_size if drop_last else math.ceil(len(dataset) / batch_size)
         return math.ceil(n / world_size) if world_size > 1 else n
@@ -365,7 +374,7 @@ class HiddenStateSource:
         """
         if self.mode == "offline":
             self._load_index(dataset)
-        lengths = self._lengths(dataset) if shuffle else None
+        lengths = _row_lengths(dataset) if shuffle else None
         order = batch_order(len(dataset), batch_size, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last,
                             lengths=lengths)
         mine = order[rank::world_size]
