@@ -158,6 +158,23 @@ def test_magpie_on_tiny_target_gives_distinct_prompts_and_caches(tiny_target, tm
     assert other != got
 
 
+def test_a_magpie_round_declined_before_the_deadline_is_reported_as_the_guard(tiny_target, tmp_path, monkeypatch):
+    """A round is not started when it would end past the prompts' deadline, which happens while the
+    clock is still short of it: the dataset's stats must still say a guard stopped the data."""
+    import types
+
+    from specfoundry.train import datacache
+
+    ticks = iter(range(0, 10 ** 7, 1000))  # every timed round appears to take 1000 s
+    monkeypatch.setattr(datacache, "time", types.SimpleNamespace(time=time.time, perf_counter=lambda: next(ticks)))
+    src = [{"source": "magpie", "count": 50, "max_prompt_tokens": 8, "round_size": 4, "require_finished": False}]
+    stats = {}
+    build_dataset(src, tiny_target, responses_cfg={"max_new_tokens": 4, "batch_size": 4}, max_seq_len=64,
+                  cache_dir=tmp_path / "c", max_minutes=10.0, stats=stats)  # prompts' share: 4 min > one round
+    assert stats["prompts"] < 50 and stats["chunks_skipped"] == 0
+    assert stats["stopped_by_guard"] is True
+
+
 def test_magpie_smollm2_writes_real_questions(smollm2, tmp_path):
     got = magpie_prompts(smollm2, 6, cache_dir=None, max_prompt_tokens=48, round_size=12, max_rounds=2, seed=0)
     assert len(got) >= 4 and len(set(got)) == len(got)
@@ -490,6 +507,41 @@ def test_batched_generation_on_the_engine_equals_the_hf_path(temperature):
     assert len({len(g) for g in ref}) > 2, "rows must finish at different steps (slots are refilled mid-run)"
     if temperature > 0:  # another seed draws other tokens (the streams are really used)
         assert generate_batched(engine, prompts, batch_size=3, **{**kw, "seed": 4})[0] != ref
+
+
+def test_a_greedy_and_sampled_mix_gives_each_prompt_its_greedy_or_its_sampled_answer():
+    """responses.sampled_fraction: in one batch, the greedy prompts get exactly the greedy run's
+    tokens and the sampled ones exactly what they draw when every prompt samples (own streams);
+    which prompts sample is decided by their text, at about the asked share."""
+    from tiny_models import tiny_llama
+    from specfoundry.runtime.engine import LlamaEngine
+    from specfoundry.train.data import generate_batched
+    from specfoundry.train.generation import sampled_in_mix
+
+    engine = LlamaEngine(tiny_llama(0, backend="hf").model)
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42], [9, 9, 9, 9, 9], [8, 1], [3, 3]]
+    kw = dict(max_new_tokens=12, stop_ids=[31], top_p=0.9, seed=3, batch_size=4)
+    greedy, _ = generate_batched(engine, prompts, temperature=0.0, **kw)
+    sampled, _ = generate_batched(engine, prompts, temperature=1.0, **kw)
+    assert all(g != s for g, s in zip(greedy[:3], sampled[:3])), "the test needs rows where sampling differs"
+    mix = [True, False, True, False, False, True]
+    got, _ = generate_batched(engine, prompts, temperature=1.0, sampled=mix, **kw)
+    assert got == [s if m else g for g, s, m in zip(greedy, sampled, mix)]
+    with pytest.raises(ValueError, match="6 prompts"):
+        generate_batched(engine, prompts, temperature=1.0, sampled=mix[:5], **kw)
+
+    texts = [f"prompt number {i}" for i in range(2000)]
+    share = sum(sampled_in_mix(t, 0.3) for t in texts) / len(texts)
+    assert 0.26 < share < 0.34
+    assert [sampled_in_mix(t, 0.3) for t in texts[:50]] == [sampled_in_mix(t, 0.3) for t in texts[:50]]
+    assert not any(sampled_in_mix(t, 0.0) for t in texts) and all(sampled_in_mix(t, 1.0) for t in texts)
+
+
+def test_a_sampled_mix_needs_greedy_for_the_rest():
+    from specfoundry.train.generation import self_distill
+
+    with pytest.raises(ValueError, match="temperature must be 0"):
+        self_distill(["hi"], None, responses_cfg={"temperature": 0.7, "sampled_fraction": 0.5}, cache_dir="/nonexistent")
 
 
 def test_batch_order_groups_rows_of_similar_length():

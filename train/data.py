@@ -127,8 +127,10 @@ def build_dataset(prompt_sources: list[dict], target, *, responses_cfg: dict | N
     # prompts get at most PROMPT_SHARE of the budget: a prompt without a response trains nothing,
     # and on a slow machine (emulated bf16) the Magpie rounds alone once ate the whole budget
     prompt_deadline = time.time() + 60 * max_minutes * PROMPT_SHARE if max_minutes is not None else None
-    prompts = load_prompts(prompt_sources, target=target, cache_dir=cache_dir, seed=seed, deadline=prompt_deadline)
-    out_of_time_prompts = prompt_deadline is not None and time.time() > prompt_deadline
+    # (a round is declined when it would end past the deadline, so the clock alone cannot tell)
+    prompt_guard = ChunkReport()
+    prompts = load_prompts(prompt_sources, target=target, cache_dir=cache_dir, seed=seed, deadline=prompt_deadline,
+                           guard=prompt_guard)
     train_prompts, held_out = split_eval(prompts, eval_prompts, seed)
     chat = ChatFormat(target)
     room = max_seq_len - min_response_tokens
@@ -176,8 +178,7 @@ def build_dataset(prompt_sources: list[dict], target, *, responses_cfg: dict | N
         asked_total = sum(asked) if all(a is not None for a in asked) else None
         stats.update(prompts_asked=asked_total, prompts=len(prompts), held_out=len(held_out), to_distill=len(fits),
                      chunks_skipped=report.skipped, examples=len(ds),
-                     stopped_by_guard=bool(report.skipped or (out_of_time_prompts and asked_total is not None
-                                                              and len(prompts) < asked_total)))
+                     stopped_by_guard=bool(report.skipped or prompt_guard.skipped))
     n_tok = sum(len(x) for x in ds["input_ids"]) if len(ds) else 0
     n_lab = sum(sum(x) for x in ds["loss_mask"]) if len(ds) else 0
     _log(f"dataset: {len(ds)} examples, {n_tok} tokens, {n_lab} label tokens "

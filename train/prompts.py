@@ -284,14 +284,15 @@ def magpie_specs(n: int, rng: random.Random, *, topics: list[str], task_types: l
 
 
 def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = None, deadline: float | None = None,
-                   **cfg) -> list[str]:
+                   guard: ChunkReport | None = None, **cfg) -> list[str]:
     """``count`` distinct user prompts written by ``target`` itself (fewer only if ``max_rounds``
     runs out). Options (see ``MAGPIE_DEFAULTS``): ``topics`` (list, or a text file with one per
     line), ``task_types``, ``seed``, ``max_prompt_tokens`` (longer samples are cut and, with
     ``require_finished``, dropped), ``temperature``/``top_p``/``top_k``, ``batch_size``, ``dtype``,
     ``free_fraction`` (share of unseeded candidates), ``system_hints`` (also name the topic in
     the system message), ``round_size`` (candidates per cached round), ``filter``. Past
-    ``deadline`` (``time.time()``) no new round starts (cached rounds are still read)."""
+    ``deadline`` (``time.time()``) no new round starts (cached rounds are still read); then
+    ``guard.skipped`` (when given) counts one more stage cut short by its time budget."""
     cfg = {**MAGPIE_DEFAULTS, **cfg, "count": count}
     unknown = set(cfg) - set(MAGPIE_DEFAULTS)
     if unknown:
@@ -377,6 +378,8 @@ def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = N
     if stats.seconds:
         _log(f"magpie generation ({dtype_name(gen_dtype)}, batch {cfg['batch_size']}): {stats.summary()}")
     if len(out) < count:
+        if out_of_time and guard is not None:
+            guard.skipped += 1
         why = "the data time budget ran out (data.max_minutes)" if out_of_time else "raise max_rounds or loosen filters"
         _log(f"magpie: only {len(out)} of {count} prompts after {rnd} rounds ({why})")
     return out
@@ -388,7 +391,7 @@ def magpie_prompts(target, count: int = 256, *, cache_dir: str | Path | None = N
 
 
 def load_source(spec: dict, *, target=None, cache_dir: str | Path | None = None, seed: int = 0,
-                deadline: float | None = None) -> list[str]:
+                deadline: float | None = None, guard: ChunkReport | None = None) -> list[str]:
     """Prompts of one source dict: ``{"source": "magpie", "count": N, ...}``,
     ``{"source": "file", "path": ..., "limit": N, "shuffle": bool}`` or
     ``{"source": "hub", "name": ..., "split": "train", "subset": None, "limit": N, ...}`` (other
@@ -400,7 +403,7 @@ def load_source(spec: dict, *, target=None, cache_dir: str | Path | None = None,
             raise ValueError("a magpie prompt source needs the target")
         spec.setdefault("seed", seed)
         return magpie_prompts(target, spec.pop("count", MAGPIE_DEFAULTS["count"]), cache_dir=cache_dir,
-                              deadline=deadline, **spec)
+                              deadline=deadline, guard=guard, **spec)
     if kind == "file":
         return read_prompt_file(spec.pop("path"), spec.pop("limit", None), shuffle=spec.pop("shuffle", False),
                                 seed=spec.pop("seed", seed), **_no_extra(spec, "file"))
@@ -419,13 +422,13 @@ def _no_extra(spec: dict, kind: str) -> dict:
 
 
 def load_prompts(sources: list[dict], *, target=None, cache_dir: str | Path | None = None, seed: int = 0,
-                 deadline: float | None = None) -> list[str]:
-    """All sources' prompts in order, deduplicated across sources (``deadline``: see
+                 deadline: float | None = None, guard: ChunkReport | None = None) -> list[str]:
+    """All sources' prompts in order, deduplicated across sources (``deadline``, ``guard``: see
     :func:`magpie_prompts`)."""
     seen: set[str] = set()
     out: list[str] = []
     for spec in sources:
-        got = load_source(spec, target=target, cache_dir=cache_dir, seed=seed, deadline=deadline)
+        got = load_source(spec, target=target, cache_dir=cache_dir, seed=seed, deadline=deadline, guard=guard)
         new = dedup(got, seen)
         label = " ".join(str(x) for x in (spec.get("source"), spec.get("path") or spec.get("name")) if x)
         _log(f"{label}: {len(got)} prompts, {len(new)} new after dedup")
