@@ -250,6 +250,8 @@ CROSS = [
     (MINIMAL + "evaluation: {prompt_sets: [builtin-heldot]}\n", "did you mean 'builtin-heldout'"),
     (MINIMAL + "launcher: {config: ddp-2proc, num_processes: 3, num_machines: 2}\n",
      "3 processes do not split evenly over 2 machines"),
+    (MINIMAL + "data: {responses: {temperature: 0.7, sampled_fraction: 0.5}}\n",
+     "data.responses.sampled_fraction: temperature 0.7 already samples every answer"),
 ]
 
 

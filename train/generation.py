@@ -207,15 +207,22 @@ def _next_tokens(logits: torch.Tensor, params: SamplingParams, streams: list[tor
                  rows: list[int], n_done: list[int], stop: torch.Tensor, min_new_tokens: int) -> torch.Tensor:
     """One token per row of ``logits`` ``[R, V]``; row ``r`` belongs to prompt ``rows[r]``, which has
     ``n_done[r]`` tokens so far (its stop tokens are banned until ``min_new_tokens``); sampled rows
-    draw one uniform from their prompt's stream."""
+    draw one uniform from their prompt's stream; a prompt whose stream is None is answered greedily."""
     logits = logits.float()
     early = [r for r, n in enumerate(n_done) if n < min_new_tokens]
     if early and stop.numel():
         logits[torch.tensor(early, device=logits.device)[:, None], stop[None, :]] = float("-inf")
-    u = None
-    if not params.greedy:
-        u = torch.cat([torch.rand(1, generator=streams[i], dtype=torch.float64) for i in rows])
-    return sample_batch(logits, params, None, u)
+    if params.greedy:
+        return sample_batch(logits, params, None)
+    drawn = [r for r, i in enumerate(rows) if streams[i] is not None]
+    u = torch.cat([torch.rand(1, generator=streams[rows[r]], dtype=torch.float64) for r in drawn]) if drawn else None
+    if len(drawn) == len(rows):
+        return sample_batch(logits, params, None, u)
+    tok = logits.argmax(-1)  # the greedy rows of a mix (what sample_batch gives at temperature 0)
+    if drawn:
+        idx = torch.tensor(drawn, device=logits.device)
+        tok[idx] = sample_batch(logits[idx], params, None, u)
+    return tok
 
 
 @torch.no_grad()
@@ -324,7 +331,8 @@ def _generate_continuous(engine, prompts: list[list[int]], order: list[int], *, 
 def generate_batched(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
                      top_p: float = 1.0, top_k: int = 0, stop_ids: Sequence[int] = (), min_new_tokens: int = 0,
                      batch_size: int = 32, pad_id: int = 0, seed: int = 0, progress: bool | str = False,
-                     stats: GenStats | None = None) -> tuple[list[list[int]], list[bool]]:
+                     stats: GenStats | None = None,
+                     sampled: Sequence[bool] | None = None) -> tuple[list[list[int]], list[bool]]:
     """Continue each token-id prompt; returns ``(new_ids, finished)`` in input order.
 
     ``model``: a :class:`~specfoundry.runtime.engine.LlamaEngine` (see :func:`generation_model`),
@@ -335,6 +343,8 @@ def generate_batched(model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     from its own stream (:func:`row_streams` of ``seed``), so a call is reproducible for the same
     inputs and a prompt's tokens do not depend on the batch it ran in (only on the logits, whose
     low-order bits can).
+    ``sampled`` (with ``temperature > 0``): per prompt, whether it samples; the others are greedy
+    (a sampled prompt's tokens are the same as in a call where every prompt samples).
     ``stats`` (optional) accumulates token counts and time.
     """
     from tqdm.auto import tqdm
@@ -347,6 +357,10 @@ def generate_batched(model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
     params = SamplingParams(temperature, top_k or None, top_p)  # top_k 0: no top-k cut
     streams = row_streams(seed, len(prompts)) if temperature > 0 else None
+    if streams is not None and sampled is not None:
+        if len(sampled) != len(prompts):
+            raise ValueError(f"sampled has {len(sampled)} entries for {len(prompts)} prompts")
+        streams = [g if s else None for g, s in zip(streams, sampled)]
     stop = torch.tensor(sorted(set(int(s) for s in stop_ids)), dtype=torch.long, device=_device(model))
     local = GenStats()
     bar = tqdm(total=len(prompts), desc=progress if isinstance(progress, str) else "generate", unit="seq",
@@ -387,16 +401,24 @@ def generate_batched(model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
 # few times the batch, so that finished prompts hand their slots to the next ones (continuous
 # batching) for most of a chunk (192 prompts x ~140 tokens: ~40 s at ~700 tok/s, bf16, 2 cores)
 DEFAULT_RESPONSES = {"max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "batch_size": 32,
-                     "dtype": None, "chunk_size": 192, "system": None}
+                     "dtype": None, "chunk_size": 192, "system": None, "sampled_fraction": 0.0,
+                     "sampled_temperature": 1.0}
+
+
+def sampled_in_mix(prompt: str, fraction: float) -> bool:
+    """Whether ``prompt`` is one of the ``fraction`` of a greedy/sampled mix answered by sampling:
+    decided by a hash of its text, so neither its chunk nor its position in the list changes it."""
+    return fraction > 0 and int(stable_hash("sampled-mix", prompt)[:12], 16) < fraction * 16 ** 12
 
 
 def responses_key_base(target, cfg: dict, seed: int) -> dict:
     gen_dtype = resolve_dtype(cfg["dtype"]) or target.dtype
     # batch_size is part of the key: batch composition changes padding and hence low-order bits,
     # and a resumed run must reproduce the interrupted one exactly
+    mix = ("sampled_fraction", "sampled_temperature") if cfg["sampled_fraction"] else ()  # (all-greedy keys unchanged)
     return {"kind": "responses-v2", "target": model_fingerprint(target), "template": ChatFormat(target).template_id(),
             "dtype": dtype_name(gen_dtype), "seed": seed,
-            **{k: cfg[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "batch_size", "system")}}
+            **{k: cfg[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "batch_size", "system") + mix}}
 
 
 def self_distill(prompts: Sequence[str], target, *, responses_cfg: dict | None = None, cache_dir: str | Path,
@@ -404,7 +426,9 @@ def self_distill(prompts: Sequence[str], target, *, responses_cfg: dict | None =
     """The target's own answers to ``prompts``, as a ``datasets.Dataset`` with columns ``prompt``,
     ``prompt_ids``, ``response_ids``, ``response``, ``finished``; cached and resumable (see
     :func:`cached_chunks`). ``responses_cfg``: ``max_new_tokens``, ``temperature`` (0 = greedy),
-    ``top_p``, ``top_k``, ``batch_size``, ``dtype`` (generation dtype; None = the target's),
+    ``top_p``, ``top_k``, ``sampled_fraction`` / ``sampled_temperature`` (with temperature 0, that
+    share of the prompts, see :func:`sampled_in_mix`, is sampled at that temperature), ``batch_size``,
+    ``dtype`` (generation dtype; None = the target's),
     ``chunk_size`` (prompts per cached shard), ``system`` (system message; None = template
     default). Past ``deadline`` (``time.time()``) no new chunk starts: the result then covers
     only the prompts of the chunks done (``report.skipped`` counts the others)."""
@@ -412,6 +436,9 @@ def self_distill(prompts: Sequence[str], target, *, responses_cfg: dict | None =
     unknown = set(cfg) - set(DEFAULT_RESPONSES)
     if unknown:
         raise ValueError(f"unknown responses_cfg keys {sorted(unknown)}; known: {sorted(DEFAULT_RESPONSES)}")
+    if cfg["sampled_fraction"] and cfg["temperature"]:
+        raise ValueError(f"sampled_fraction {cfg['sampled_fraction']} mixes sampled answers into greedy ones: "
+                         f"temperature must be 0, got {cfg['temperature']}")
     gen_dtype = resolve_dtype(cfg["dtype"]) or target.dtype
     chat = ChatFormat(target)
     model = generation_model(target, gen_dtype)
@@ -421,10 +448,12 @@ def self_distill(prompts: Sequence[str], target, *, responses_cfg: dict | None =
 
     def compute(chunk: list[str], chunk_seed: int) -> dict[str, list]:
         pids = [chat.prompt_ids(p, cfg["system"]) for p in chunk]
-        new, fin = generate_batched(model, pids, max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"],
+        mix = [sampled_in_mix(p, cfg["sampled_fraction"]) for p in chunk] if cfg["sampled_fraction"] else None
+        temperature = cfg["sampled_temperature"] if mix is not None else cfg["temperature"]
+        new, fin = generate_batched(model, pids, max_new_tokens=cfg["max_new_tokens"], temperature=temperature,
                                     top_p=cfg["top_p"], top_k=cfg["top_k"], stop_ids=stop,
                                     batch_size=cfg["batch_size"], pad_id=chat.pad_id, seed=chunk_seed,
-                                    progress="responses", stats=report.stats)
+                                    progress="responses", stats=report.stats, sampled=mix)
         return {"prompt": list(chunk), "prompt_ids": pids, "response_ids": new,
                 "response": [chat.decode(r) for r in new], "finished": fin}
 

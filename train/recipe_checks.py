@@ -116,6 +116,10 @@ def cross_check(r) -> list[tuple[str, str]]:
     if r.method == "draft" and d.hidden_states == "offline":
         out.append(("data.hidden_states", "draft distillation needs the target's full-vocabulary logits per token; "
                                           "storing them offline is impractical: use online"))
+    if d.responses.sampled_fraction and d.responses.temperature:
+        out.append(("data.responses.sampled_fraction",
+                    f"temperature {d.responses.temperature} already samples every answer: set temperature 0 (greedy) "
+                    "for the rest of the mix, or sampled_fraction 0"))
     for i, src in enumerate(d.prompts):
         if src.source == "magpie" and src.max_prompt_tokens >= d.max_seq_len:
             out.append((f"data.prompts[{i}].max_prompt_tokens",

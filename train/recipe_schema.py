@@ -255,6 +255,11 @@ class ResponsesConfig(_Section):
     # 0 = greedy (labels equal the target's argmax); > 0 samples
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
+    # with temperature 0: this share of the prompts (picked by a hash of the prompt's text) is
+    # answered by sampling at sampled_temperature (and top_p) instead, so the head also trains on
+    # the contexts it drafts in when serving at T > 0 (the labels stay the target's distribution)
+    sampled_fraction: float = Field(0.0, ge=0, le=1)
+    sampled_temperature: float = Field(1.0, gt=0)
     # prompts per batched generate call (left padding)
     batch_size: int = Field(32, ge=1)
     # dtype of the generating target (None: target.dtype)
