@@ -297,6 +297,44 @@ def test_cancel_queue_bound_and_validation(target):
         eng.close()
 
 
+def test_engine_runs_on_the_thread_its_owner_gives_it(target):
+    """background=False: no thread of the engine's own; the owner's run() serves what other threads
+    submit (each request exactly its solo greedy output), close() from another thread ends run(),
+    and run() is refused twice and on a background engine."""
+    ps = prompts(6)
+    want = solo(target, ps, 12)
+    eng = ServingEngine(target, None, max_batch=3, max_queue=8, background=False)
+    got, ran_on = {}, []
+
+    def client(i):
+        got[i] = eng.submit(Request(ps[i], max_new_tokens=12, stop_at_eos=False)).result()[0]
+
+    def clients():
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(ps))]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        eng.close()
+
+    before = threading.active_count()
+    helper = threading.Thread(target=clients)
+    helper.start()
+    orig = eng._step
+    eng._step = lambda q: (ran_on.append(threading.current_thread()), orig(q))
+    eng.run()  # returns once close() is called
+    helper.join()
+    assert [got[i] for i in range(len(ps))] == want
+    assert ran_on and set(ran_on) == {threading.current_thread()}
+    assert threading.active_count() == before
+    with pytest.raises(RuntimeError, match="already"):
+        eng.run()
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.submit(Request(ps[0], max_new_tokens=2))
+    bg = ServingEngine(target, None, max_batch=1)
+    with pytest.raises(RuntimeError, match="background"):
+        bg.run()
+    bg.close()
+
+
 def test_policy_turns_speculation_off_as_load_grows():
     """Fake cost model: flat up to 8 rows, then linear (a CPU's compute-bound region). With 70%
     acceptance, batch 1 drafts deep, batch 16 does not draft at all."""

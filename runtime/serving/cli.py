@@ -4,11 +4,16 @@ Registered through the ``specfoundry.commands`` entry-point group. Loads the tar
 with the runtime's loaders (``load_target``/``load_drafter``), builds a
 :class:`~.scheduler.ServingEngine` with :class:`~.metrics.PrometheusMetrics`, prints one line with
 the URL once it accepts connections, and serves until SIGINT/SIGTERM.
+
+Threads: the engine's steps run on the main thread, which loaded the model (all of the process's
+torch work on one thread: see :class:`~.scheduler.ServingEngine` on OpenMP pools, 2x measured);
+uvicorn's event loop runs on a thread of its own and the main thread takes the signals.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -89,7 +94,7 @@ def build_engine(args):
     engine = ServingEngine(target, drafter, max_batch=args.max_batch, max_queue=args.max_queue,
                            max_context=args.max_context, max_depth=args.max_depth,
                            speculation_table=args.speculation_table, metrics=metrics,
-                           max_step_tokens=args.max_step_tokens)
+                           max_step_tokens=args.max_step_tokens, background=False)
     return engine, metrics, args.model_name or target.name
 
 
@@ -106,8 +111,8 @@ def _serve(args) -> int:
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             # end running requests now ("cancelled": streams get an error chunk), so the graceful
-            # shutdown does not wait for long generations; close() joins, so not on the loop
-            threading.Thread(target=engine.close, name="serve-close", daemon=True).start()
+            # shutdown does not wait for long generations; the engine's loop then returns on main
+            engine.close()
             super().handle_exit(sig, frame)
 
     server = Server(config)
@@ -132,10 +137,29 @@ def _serve(args) -> int:
             server.should_exit = True
 
         threading.Thread(target=watch_parent, name="serve-parent", daemon=True).start()
+    failure: list[BaseException] = []
+
+    def http():
+        try:
+            server.run()  # off the main thread uvicorn installs no signal handlers: main takes them below
+        except BaseException as e:  # noqa: BLE001 - reported on main after the engine stops
+            failure.append(e)
+        finally:
+            engine.close()  # the engine's loop on main returns
+
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    web = threading.Thread(target=http, name="serve-http")
+    web.start()
     try:
-        server.run()
+        engine.run()
     finally:
+        server.should_exit = True
         engine.close()
+        web.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if failure:
+        raise failure[0]
     if not server.started:
         print(f"specfoundry serve: could not listen on {url}", file=sys.stderr)
         return 1

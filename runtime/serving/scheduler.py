@@ -104,12 +104,23 @@ class ServingEngine:
     ``speculation_table`` overrides the load-aware depth (``"1-4:3,5-8:1,9-:0"``);
     ``max_step_tokens`` bounds the tokens of one forward: prompts are prefilled in chunks that share
     the decode rows' forward (chunked prefill), as much of them per step as the decode rows leave.
+
+    ``background=True`` (default): the steps run on a thread of the engine's own, started by the
+    first :meth:`submit`. ``background=False``: the owner calls :meth:`run` on the thread it wants
+    the model to run on (it returns after :meth:`close`). Prefer the thread that loaded the model,
+    so that one thread does all of the process's torch work: torch's OpenMP runtime (libgomp) keeps
+    a pool of workers per thread that ever ran parallel work, and once the pools hold more threads
+    than there are cores every worker stops spinning between parallel regions and sleeps; each of
+    a step's ~1,000 small parallel regions then waits for its workers to wake up. Measured on 2
+    cores (SmolLM2-135M, bf16, 32 rows): a step 2-3x slower on a second thread than on the thread
+    that loaded the model, and the whole engine under 32 clients 36-41 against 73-81 tok/s
+    (docs/results.md, fifteenth session). ``specfoundry serve`` runs the engine on its main thread.
     """
 
     def __init__(self, target: EngineTarget, drafter: Drafter | None = None, *, max_batch: int = 8,
                  max_queue: int = 64, max_context: int | None = None, max_depth: int | None = None,
                  speculation_table: str | None = None, metrics=None, cost_curve: dict | None = None,
-                 max_step_tokens: int = 512):
+                 max_step_tokens: int = 512, background: bool = True):
         if not isinstance(target, EngineTarget):
             raise ValueError("serving needs a target on the engine backend (a Llama-family model; "
                              "load it with backend='engine')")
@@ -161,6 +172,7 @@ class ServingEngine:
         self._stop = False
         self._trimmed = time.monotonic()
         self._thread: threading.Thread | None = None
+        self.background = bool(background)
         self.steps = 0
         self._errors: dict[int, str] = {}  # row -> error of the current step's failed requests
 
@@ -190,12 +202,26 @@ class ServingEngine:
                     "max_queue": self.max_queue}
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; waiting and running requests finish as "cancelled"."""
+        """Stop the engine (its thread, or :meth:`run`); waiting and running requests finish as
+        "cancelled". Waits up to ``timeout`` seconds for the background thread; never for :meth:`run`,
+        which returns on its own thread (close may be called from a signal handler there)."""
         with self._lock:
             self._stop = True
             self._lock.notify()
-        if self._thread is not None:
+        if self.background and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+    def run(self) -> None:
+        """Run the steps on the calling thread until :meth:`close` (engines made with
+        ``background=False``; see the class docstring for which thread to call it on)."""
+        if self.background:
+            raise RuntimeError("this engine runs on its own thread (background=True): run() is for background=False")
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError("run() is already running (or has run) on "
+                                   f"thread {self._thread.name!r}")
+            self._thread = threading.current_thread()
+        self._run()
 
     def __enter__(self):
         return self
@@ -229,6 +255,8 @@ class ServingEngine:
             raise ValueError(f"seed must be a 64-bit signed integer, got {r.seed!r}")
 
     def _ensure_thread(self) -> None:
+        if not self.background:  # the owner's run() serves the queue
+            return
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="specfoundry-serving", daemon=True)
