@@ -44,8 +44,10 @@ serve: $(STAMP)
 	$(BIN)/specfoundry serve --target $(TARGET) --speculator $(SPECULATOR) $(SERVE_ARGS)
 
 # What CI runs: the default tier (no slow, no GPU tests).
+# two pytest-xdist workers, one file each at a time (module fixtures load once); TEST_WORKERS=0 runs in one process
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow and not gpu" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m "slow" $(PYTEST_ARGS)
