@@ -4,8 +4,8 @@ import os
 
 # Under pytest-xdist (`make test` runs two workers) each worker and the processes its tests start
 # get one OpenMP thread that sleeps when idle: two 2-thread processes on 2 cores spin against each
-# other (a training step measured 7 s instead of ~1 s beside a test run). Set before torch loads
-# libgomp, which reads these once.
+# other (a training run beside a test run was seen at 7 s a step, several times its pace alone). Set
+# before torch loads libgomp, which reads these once.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
