@@ -6,7 +6,8 @@ import os
 # get one OpenMP thread that sleeps when idle: two 2-thread processes on 2 cores spin against each
 # other (a training run beside a test run was seen at 7 s a step, several times its pace alone). Set
 # before torch loads libgomp, which reads these once.
-if os.environ.get("PYTEST_XDIST_WORKER"):
+_XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+if _XDIST_WORKER:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -15,17 +16,17 @@ import torch  # noqa: E402
 
 from tiny_models import tiny_llama  # noqa: E402
 
-torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
+torch.set_num_threads(1 if _XDIST_WORKER else max(1, min(2, os.cpu_count() or 1)))
 
 
 def pytest_configure(config):
     """Convert the built-in target once, before xdist workers start, so they do not race to."""
-    if hasattr(config, "workerinput"):
-        return
-    from specfoundry.runtime.models import MissingTargetPackage, builtin_model_dir
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", default=None):
+        return  # a worker, or a run in one process (its fixtures convert it when a test needs it)
+    from specfoundry.runtime.models import DEFAULT_TARGET, MissingTargetPackage, builtin_model_dir
 
     try:
-        builtin_model_dir("smollm2-135m")
+        builtin_model_dir(DEFAULT_TARGET)
     except MissingTargetPackage:
         pass  # the tests that need it say so themselves
 
