@@ -53,7 +53,8 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads of each server")
     p.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma list of closed-loop client counts")
     p.add_argument("--requests", type=int, default=0,
-                   help="requests per mode and level (default: max(2 x concurrency, 6))")
+                   help="requests per mode, level and round (default: max(2 x concurrency, 16): fewer ended a level "
+                        "in seconds on a 2-core machine, too short to average out its drift)")
     p.add_argument("--level-seconds", type=float, default=120.0, help="time bound per mode, level and round")
     p.add_argument("--rounds", type=int, default=1,
                    help="runs of each level per mode, the modes' order alternating (ABC CBA ...); a mode's row "
@@ -408,7 +409,7 @@ def main(args) -> int:
             asyncio.run(_level(url, prompts, 1, 1, 60, 8, True if url in (aware, on) else None, start=len(prompts) - 1))
         start = 0
         for c in levels_c:
-            n = args.requests or max(2 * c, 6)
+            n = args.requests or max(2 * c, 16)
             runs: dict[str, list] = {m: [] for m in run_modes}
             before = {m: vllm_server.spec_counters(urls[m]) for m in run_modes if m == "vllm-on"}
             for r in range(args.rounds):
