@@ -3,7 +3,7 @@ it chooses from acceptance and a cost curve."""
 
 import pytest
 
-from specfoundry.runtime.adaptive import AdaptiveController, expected_tokens, leviathan_tokens
+from specfoundry.runtime.adaptive import AdaptiveController, clean_cost_curve, expected_tokens, leviathan_tokens
 
 
 @pytest.mark.parametrize("a", [0.0, 0.3, 0.8, 0.99])
@@ -156,3 +156,15 @@ def test_trees_whose_siblings_never_help_are_discounted_and_chains_win():
     assert all(ctrl.calibration(s) < 0.9 for s in trees_run | set(unmeasured))
     tail = choices[-40:]
     assert sum(n == k + 1 or k == 0 for k, n in tail) >= 36, tail
+
+
+def test_a_measured_cost_curve_is_made_non_decreasing():
+    """Dips are pooled with their neighbours (a least-squares monotone fit); a monotone curve and
+    its sizes are kept as measured; bad points are dropped."""
+    assert clean_cost_curve({1: 1.0, 2: 0.93, 4: 1.06, 8: 1.04, 16: 1.21}) == pytest.approx(
+        {1: 0.965, 2: 0.965, 4: 1.05, 8: 1.05, 16: 1.21})
+    assert clean_cost_curve({16: 2.0, 1: 1.0, 4: 1.2}) == {1: 1.0, 4: 1.2, 16: 2.0}
+    assert clean_cost_curve({1: 1.0, 2: 0.5, 3: 0.6, 4: 2.0}) == pytest.approx({1: 0.7, 2: 0.7, 3: 0.7, 4: 2.0})
+    assert clean_cost_curve({1: 1.0, 4: float("nan"), 8: -2.0, 0: 1.0, 16: 3.0}) == {1: 1.0, 16: 3.0}
+    assert clean_cost_curve(None) == {} and clean_cost_curve({}) == {}
+    assert AdaptiveController(3, cost_curve={1: 1.0, 2: 0.9}).cost_curve == pytest.approx({1: 0.95, 2: 0.95})

@@ -374,6 +374,22 @@ def test_policy_prices_a_small_trees_rows():
     assert policy.take_lookups([policy.monitor(tree_nodes=40)], [4], [4]) == [True]
 
 
+def test_policy_reads_a_dip_in_the_measured_cost_curve_as_noise():
+    """Figures measured in one serving run on a noisy 2-core machine (bf16, 1 client): the startup
+    curve had 2 rows cheaper than 1, which priced a chain of 1 (2 rows) below the head's 4-node tree
+    and made the policy draft chains of 1 where the tree gives more tokens per second (measured
+    steps: 64.5 ms for the chain, 70.9 ms for the tree). Pooled, the dip is gone and the tree wins."""
+    curve = {1: 1.0, 2: 0.93, 4: 1.06, 8: 1.04, 16: 1.21, 32: 1.48, 64: 1.5}
+    policy = SpeculationPolicy(2, cost=curve)
+    assert policy.cost(1) <= policy.cost(2) <= policy.cost(4) <= policy.cost(8) <= policy.cost(16)
+    policy.unit, policy.draft = 0.0723, 0.00566
+    policy.prior, policy.tree_prior = (lambda: [0.28, 0.5]), (lambda: [0.42, 0.28])
+    assert policy.best_depth([policy.monitor(tree_nodes=4)]) == 2
+    raw = SpeculationPolicy(2, cost=lambda rows: curve[rows])  # the curve as measured
+    raw.unit, raw.draft, raw.prior, raw.tree_prior = policy.unit, policy.draft, policy.prior, policy.tree_prior
+    assert raw.best_depth([raw.monitor(tree_nodes=4)]) == 1
+
+
 def test_lookup_drafts_are_taken_where_they_pay_and_kept_apart():
     """Fake cost model: flat up to 8 rows, then growing (at 16 rows an extra row costs 1/24 of the
     step): a lookup chain rides on a small batch whatever the head's depth

@@ -10,7 +10,7 @@ batch's expected tokens per second::
     rate(k) = sum_b tau_b(k_b) / (unit * cost(sum_b rows_b(k_b)) + draft * sum_b k_b)
 
 where ``cost(rows)`` is this machine's measured forward cost relative to one row (the target's
-cost curve, extrapolated linearly past its last point), ``unit`` the measured seconds of one cost
+cost curve, made non-decreasing and extrapolated linearly past its last point), ``unit`` the measured seconds of one cost
 unit, ``draft`` the measured seconds per drafted token, and ``tau_b(k)`` the expected tokens of
 request ``b`` at depth ``k`` from its own rolling acceptance (the server-wide acceptance as its
 prior). ``k_b = k`` for requests whose monitor has speculation on, else 0. ``rows_b(k)`` is
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..adaptive import AcceptanceTally, expected_tokens
+from ..adaptive import AcceptanceTally, clean_cost_curve, expected_tokens
 
 
 def parse_table(spec: str | None, max_depth: int) -> list[tuple[int, int, int]] | None:
@@ -125,7 +125,8 @@ class SpeculationPolicy:
                  probe_rows: int = 2):
         self.max_depth = max_depth  # the head's
         self.lookup_depth = max_depth if lookup_depth is None else lookup_depth  # a lookup chain's
-        self._cost = cost
+        # a measured curve's dips are noise (:func:`~..adaptive.clean_cost_curve`); no sane point: no curve
+        self._cost = (clean_cost_curve(cost) or None) if isinstance(cost, dict) else cost
         self.table = parse_table(table, max_depth)
         self.window, self.reprobe, self.min_steps = window, reprobe, min_steps
         # when the estimates say "never speculate", one depth-1 step every probe_every steps keeps
@@ -158,6 +159,8 @@ class SpeculationPolicy:
         for lo, hi in zip(sizes, sizes[1:]):
             if rows <= hi:
                 return c[lo] + (c[hi] - c[lo]) * (rows - lo) / (hi - lo)
+        if len(sizes) == 1:
+            return float(c[sizes[0]])
         lo, hi = sizes[-2], sizes[-1]  # past the curve: extend its last slope
         return c[hi] + (c[hi] - c[lo]) / (hi - lo) * (rows - hi)
 
