@@ -390,6 +390,34 @@ def test_policy_reads_a_dip_in_the_measured_cost_curve_as_noise():
     assert raw.best_depth([raw.monitor(tree_nodes=4)]) == 1
 
 
+def test_policy_fits_drafting_as_a_fixed_part_plus_a_part_per_token():
+    """Drafting that costs 3 ms per step plus 2 ms per drafted token is learnt as such from the
+    steps' measured seconds (not 3.5-5 ms per token), so a step 2 deep is priced at 7 ms, not twice
+    a step 1 deep; one depth alone cannot be split and is charged per token; the fit never goes
+    negative."""
+    policy = SpeculationPolicy(3, cost=lambda rows: 1.0)
+    for i in range(200):
+        k = 1 + i % 2
+        policy.record_step(0.05, k + 1, 0.003 + 0.002 * k, k)
+    assert policy.draft == pytest.approx(0.002) and policy.draft_fixed == pytest.approx(0.003)
+    assert policy.seconds(3, 2) == pytest.approx(0.05 + 0.007) and policy.seconds(1, 0) == pytest.approx(0.05)
+    one = SpeculationPolicy(3, cost=lambda rows: 1.0)
+    for _ in range(50):
+        one.record_step(0.05, 3, 0.008, 2)
+    assert one.draft == pytest.approx(0.004) and one.draft_fixed == 0.0
+    noisy = SpeculationPolicy(3, cost=lambda rows: 1.0)
+    for i in range(100):  # deeper steps measured cheaper: no negative price for depth
+        k = 1 + i % 2
+        noisy.record_step(0.05, k + 1, 0.006 - 0.001 * k, k)
+    assert noisy.draft == 0.0 and noisy.draft_fixed == pytest.approx(0.0045, rel=0.05)
+    # batches: drafting 8 rows costs the fixed part once per step
+    batch = SpeculationPolicy(3, cost=lambda rows: 1.0)
+    for i in range(200):
+        x = (1 + i % 2) * (1 + i % 8)
+        batch.record_step(0.05, x + 1, 0.004 + 0.001 * x, x)
+    assert batch.draft == pytest.approx(0.001) and batch.draft_fixed == pytest.approx(0.004)
+
+
 def test_lookup_drafts_are_taken_where_they_pay_and_kept_apart():
     """Fake cost model: flat up to 8 rows, then growing (at 16 rows an extra row costs 1/24 of the
     step): a lookup chain rides on a small batch whatever the head's depth

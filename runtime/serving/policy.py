@@ -7,11 +7,13 @@ rows, and on a CPU (and on a GPU past its memory-bound region) a forward's cost 
 rows. Each step :meth:`SpeculationPolicy.choose` picks the chain depth ``k`` that maximises the
 batch's expected tokens per second::
 
-    rate(k) = sum_b tau_b(k_b) / (unit * cost(sum_b rows_b(k_b)) + draft * sum_b k_b)
+    rate(k) = sum_b tau_b(k_b) / (unit * cost(sum_b rows_b(k_b)) + draft_fixed + draft * sum_b k_b)
 
 where ``cost(rows)`` is this machine's measured forward cost relative to one row (the target's
-cost curve, made non-decreasing and extrapolated linearly past its last point), ``unit`` the measured seconds of one cost
-unit, ``draft`` the measured seconds per drafted token, and ``tau_b(k)`` the expected tokens of
+cost curve, made non-decreasing and extrapolated linearly past its last point), ``unit`` the
+measured seconds of one cost unit, ``draft_fixed + draft * x`` the measured drafting seconds of a
+step that drafts ``x`` tokens (a line fitted to the last steps; nothing when no row drafts with
+the head), and ``tau_b(k)`` the expected tokens of
 request ``b`` at depth ``k`` from its own rolling acceptance (the server-wide acceptance as its
 prior). ``k_b = k`` for requests whose monitor has speculation on, else 0. ``rows_b(k)`` is
 ``k + 1`` (a chain), except that a greedy request whose head drafts a small tree at its full depth
@@ -138,7 +140,11 @@ class SpeculationPolicy:
         self.pooled_tree = AcceptanceTally(max_depth)  # every request's tree steps
         self.lookups = AcceptanceTally(self.lookup_depth)  # prompt-lookup steps, apart from the head's
         self.unit: float | None = None  # seconds per cost unit (measured)
-        self.draft: float | None = None  # seconds per drafted token per row (measured)
+        # drafting seconds of a step = draft_fixed + draft * (head-drafted tokens), fitted to the
+        # measured steps (:meth:`record_step`)
+        self.draft: float | None = None  # seconds per drafted token per row
+        self.draft_fixed = 0.0  # seconds per step that drafts at all
+        self._draft_sums = [0.0] * 5  # decayed sums of 1, x, y, x^2, x*y (x drafted, y seconds)
 
     def monitor(self, speculate: bool = True, tree_nodes: int | None = None) -> AcceptanceMonitor:
         return AcceptanceMonitor(self.max_depth, self.window, self.reprobe, enabled=speculate and self.max_depth > 0,
@@ -223,8 +229,32 @@ class SpeculationPolicy:
         unit = verify_seconds / self.cost(rows)
         self.unit = unit if self.unit is None else 0.8 * self.unit + 0.2 * unit
         if drafted:
-            d = draft_seconds / drafted
-            self.draft = d if self.draft is None else 0.8 * self.draft + 0.2 * d
+            self._fit_draft(drafted, draft_seconds)
+
+    def _fit_draft(self, x: int, y: float) -> None:
+        """Drafting seconds as ``draft_fixed + draft * x``, a least-squares line through the last
+        ~:data:`DRAFT_WINDOW` drafting steps. Part of a step's drafting does not grow with its
+        depth (the head's pass over the last step's accepted tokens, the bookkeeping); charged per
+        drafted token, as before, it priced a depth-2 step at twice a depth-1 step and kept the
+        policy on chains of 1. With one depth seen (no spread to fit a line) every second is
+        charged per token."""
+        s = self._draft_sums
+        decay = 1.0 - 1.0 / DRAFT_WINDOW
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            s[i] = decay * s[i] + v
+        w, sx, sy, sxx, sxy = s
+        mx, my = sx / w, sy / w
+        var = sxx / w - mx * mx
+        if var <= 0.05:  # (about a twentieth of the steps at a depth one apart is enough)
+            self.draft, self.draft_fixed = my / mx, 0.0
+            return
+        slope = (sxy / w - mx * my) / var
+        fixed = my - slope * mx
+        if slope < 0.0:  # the least-squares fit under slope >= 0 and fixed >= 0
+            slope, fixed = 0.0, my
+        elif fixed < 0.0:
+            slope, fixed = sxy / sxx, 0.0
+        self.draft, self.draft_fixed = slope, fixed
 
     def record(self, monitor: AcceptanceMonitor, depth_drafted: int, accepted: int, tree: bool = False) -> None:
         """One request's verified step (``tree``: a draft tree, not a chain); switches its
@@ -248,7 +278,7 @@ class SpeculationPolicy:
         rows with ``drafted`` head-drafted tokens."""
         unit = self.unit or 1.0
         draft = self.draft if self.draft is not None else 0.0
-        return unit * self.cost(rows) + draft * drafted
+        return unit * self.cost(rows) + (self.draft_fixed + draft * drafted if drafted else 0.0)
 
     def best_depth(self, monitors: list[AcceptanceMonitor]) -> int:
         """The depth (0 = none) that maximises the batch's expected rate, the speculating
@@ -283,6 +313,9 @@ class SpeculationPolicy:
             self._since_draft = 0
         return [k if m.speculating else 0 for m in monitors]
 
+
+#: drafting steps the fit of their cost weighs (decay 1 - 1/DRAFT_WINDOW; ~2-4 s of steps at 1-2 clients)
+DRAFT_WINDOW = 32
 
 #: pseudo-steps at 50% acceptance behind every pooled figure (see SpeculationPolicy.prior)
 PRIOR_STEPS = 8
