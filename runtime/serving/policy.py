@@ -225,7 +225,8 @@ class SpeculationPolicy:
         ``drafted`` depths by the head (summed over rows: a chain of ``k`` or a tree ``k`` deep each
         cost ``k`` head forwards; prompt-lookup drafts cost no drafting; the
         drafters' commits are counted in ``draft_seconds``: charging them to no depth instead was
-        tried and measured no better, docs/results.md seventh session)."""
+        tried and measured no better, docs/results.md seventh session); the drafting seconds go into
+        the fitted line of :meth:`_fit_draft`."""
         unit = verify_seconds / self.cost(rows)
         self.unit = unit if self.unit is None else 0.8 * self.unit + 0.2 * unit
         if drafted:
