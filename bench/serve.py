@@ -3,8 +3,10 @@
 Scope: load generation against real server processes on 127.0.0.1 and the report; nothing about
 how the server decodes. Two servers run side by side (loaded once, idle while the other is
 measured): one with the load-aware policy, one with speculation forced on (``--speculation-table
-1-:DEPTH``); "off" is the load-aware server with ``speculate: false`` on every request (same
-process, same weights). For each concurrency level the three modes run back to back, so their
+1-:DEPTH``), one for "off" (the same command as load-aware's, ``speculate: false`` on every
+request). "off" has a process of its own because the load-aware policy learns its costs and
+acceptance from the steps it serves: plain requests on its server moved those estimates and cost
+it 9-12% at 1 client in the seventeenth session's sweep. For each concurrency level the three modes run back to back, so their
 ratios come from one run on one machine state; ``--rounds R`` runs each level R times per mode,
 the modes' order alternating (ABC CBA ...), and pools them (a machine whose speed drifts over a
 level weighs on every mode alike).
@@ -370,10 +372,11 @@ def main(args) -> int:
 
     levels: dict[str, list] = {m: [] for m in modes}
     with ExitStack() as stack:
-        aware = stack.enter_context(serve_subprocess(common)) if {"off", "load-aware"} & set(modes) else None
+        aware = stack.enter_context(serve_subprocess(common)) if "load-aware" in modes else None
         on = stack.enter_context(serve_subprocess(common + ["--speculation-table", f"1-:{args.depth}"])) \
             if "on" in modes else None
-        urls = {"off": aware, "on": on, "load-aware": aware}
+        off = stack.enter_context(serve_subprocess(common)) if "off" in modes else None
+        urls = {"off": off, "on": on, "load-aware": aware}
         speculate = {"off": False, "on": True, "load-aware": True}
         for mode, st in peers.items():
             if not st["available"]:
@@ -406,7 +409,7 @@ def main(args) -> int:
         # level then takes the next unused prompts, the same for every mode: a server with a prefix
         # cache (vLLM's is on by default) must not be served prompts it has already seen
         for url in {urls[m] for m in run_modes}:
-            asyncio.run(_level(url, prompts, 1, 1, 60, 8, True if url in (aware, on) else None, start=len(prompts) - 1))
+            asyncio.run(_level(url, prompts, 1, 1, 60, 8, True if url in (off, aware, on) else None, start=len(prompts) - 1))
         start = 0
         for c in levels_c:
             n = args.requests or max(2 * c, 16)
@@ -426,9 +429,10 @@ def main(args) -> int:
                 levels[mode].append(row)
                 print(f"  {c:>3} clients  {mode:<10} {row['output_tok_s']:7.1f} tok/s  steady {row['steady_tok_s']:7.1f}  "
                       f"tau {row['tau'] or 0:.2f}  done {row['requests']}  errors {row['errors']}", flush=True)
-        soak = asyncio.run(_soak(aware, prompts, args.soak, args.max_tokens, max_c)) if args.soak and aware else None
+        soak_url = aware or off or on  # the soak wants the load-aware server; any of ours will do without it
+        soak = asyncio.run(_soak(soak_url, prompts, args.soak, args.max_tokens, max_c)) if args.soak and soak_url else None
     report = {"args": vars(args) | {"func": None}, "speculator": speculator, "levels": levels, "peers": peers,
-              "soak": soak}
+              "servers": {m: urls[m] for m in levels}, "soak": soak}
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     md = [f"# bench-serve: {args.target} + {speculator}", "", _table(levels)]
     if peers:

@@ -492,8 +492,9 @@ def test_serve_command_defaults_to_loopback():
 
 
 def test_bench_serve_sweeps_modes_and_writes_its_report(model_dirs, tmp_path):
-    """`specfoundry bench-serve` end to end on the tiny model: two server processes, three modes per
-    concurrency level in two rounds each, every request answered, the table, JSON and plot written."""
+    """`specfoundry bench-serve` end to end on the tiny model: three server processes (off has its own,
+    so plain requests never move the load-aware policy's estimates), three modes per concurrency level
+    in two rounds each, every request answered, the table, JSON and plot written."""
     import argparse
     import json
 
@@ -513,6 +514,7 @@ def test_bench_serve_sweeps_modes_and_writes_its_report(model_dirs, tmp_path):
         assert [r["concurrency"] for r in rows] == [1, 2]
         assert all(r["rounds"] == 2 and r["requests"] == 4 and r["errors"] == 0 for r in rows)
         assert all(0 < r["output_tok_s"] and 0 < r["steady_tok_s"] for r in rows)
+    assert len(set(report["servers"].values())) == 3  # one process per mode
     assert all(r["tau"] == pytest.approx(1.0) for r in report["levels"]["off"])  # speculate: false really is off
     assert any(r["tau"] > 1.0 for r in report["levels"]["on"])  # the always-on server drafted and accepted
     md = (tmp_path / "out" / "report.md").read_text()
