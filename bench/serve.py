@@ -1,13 +1,13 @@
 """``specfoundry bench-serve``: the OpenAI-compatible server under closed-loop load.
 
 Scope: load generation against real server processes on 127.0.0.1 and the report; nothing about
-how the server decodes. Two servers run side by side (loaded once, idle while the other is
+how the server decodes. Three servers run side by side (loaded once, idle while another is
 measured): one with the load-aware policy, one with speculation forced on (``--speculation-table
 1-:DEPTH``), one for "off" (the same command as load-aware's, ``speculate: false`` on every
 request). "off" has a process of its own because the load-aware policy learns its costs and
 acceptance from the steps it serves: plain requests on its server moved those estimates and cost
-it 9-12% at 1 client in the seventeenth session's sweep. For each concurrency level the three modes run back to back, so their
-ratios come from one run on one machine state; ``--rounds R`` runs each level R times per mode,
+it 9-12% at 1 client in the seventeenth session's sweep. For each concurrency level the three
+modes run back to back, so their ratios come from one run on one machine state; ``--rounds R`` runs each level R times per mode,
 the modes' order alternating (ABC CBA ...), and pools them (a machine whose speed drifts over a
 level weighs on every mode alike).
 
