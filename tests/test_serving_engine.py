@@ -418,6 +418,61 @@ def test_policy_fits_drafting_as_a_fixed_part_plus_a_part_per_token():
     assert batch.draft == pytest.approx(0.001) and batch.draft_fixed == pytest.approx(0.004)
 
 
+def test_policy_charges_each_step_its_measured_overhead():
+    """A step's seconds outside drafting and verification (streaming its tokens, the loop) are paid
+    once per step: a near-tie between a chain of 1 (1.28 tokens in 55 ms) and a 4-node tree 2 deep
+    (1.54 tokens in 70 ms) goes to the chain without it and to the tree with 30 ms a step. The
+    overhead is an average of the measured gaps; a negative reading is ignored."""
+    def policy_with(overhead):
+        p = SpeculationPolicy(2, cost=lambda rows: 1.0 if rows <= 2 else 1.2)
+        p.unit, p.draft = 0.05, 0.005
+        p.prior, p.tree_prior = (lambda: [0.28, 0.5]), (lambda: [0.54, 0.0])
+        for _ in range(50):
+            p.record_overhead(overhead)
+        p.record_overhead(-1.0)
+        return p
+    fast = policy_with(0.0)
+    assert fast.best_depth([fast.monitor(tree_nodes=4)]) == 1
+    slow = policy_with(0.03)
+    assert slow.overhead == pytest.approx(0.03)
+    assert slow.best_depth([slow.monitor(tree_nodes=4)]) == 2
+    assert slow.seconds(1, 0) == pytest.approx(0.05 + 0.03)
+
+
+def test_policy_prices_plain_steps_and_steps_with_drafts_apart():
+    """A plain step's attention runs in one kernel call, a step with any draft by SDPA per range of
+    rows: the two kinds are measured apart. At 16 rows, one lookup chain of 2 (1.75 expected tokens
+    for 2 more rows, within the flat part of the cost curve) pays at the shared unit and not when
+    steps with drafts measure 0.08 s against plain steps' 0.05 s."""
+    policy = SpeculationPolicy(3, cost=lambda rows: max(1.0, rows / 24))
+    policy.prior = lambda: [0.05] * 3  # the head accepts nothing: depth 0
+    mons = [policy.monitor() for _ in range(16)]
+    policy.unit = 0.05
+    assert policy.best_depth(mons) == 0
+    assert policy.take_lookups(mons, [0] * 16, [2] + [0] * 15) == [True] + [False] * 15  # one unit for all
+    for _ in range(30):
+        policy.record_step(0.05, 16, 0.0, 0, 16)
+        policy.record_step(0.08, 18, 0.0, 0, 16)
+    assert policy.units[False] == pytest.approx(0.05) and policy.units[True] == pytest.approx(0.08)
+    assert policy.take_lookups(mons, [0] * 16, [2] + [0] * 15) == [False] * 16
+    assert policy.seconds(16, 0, 16) == pytest.approx(0.05) and policy.seconds(18, 0, 16) == pytest.approx(0.08)
+
+
+def test_engine_measures_the_overhead_between_decode_steps(target, monkeypatch):
+    """The engine feeds the policy the gap between one decode step's end of verification and the
+    next step's start, never across an admission (a prefill is not per-step overhead)."""
+    gaps = []
+    real = SpeculationPolicy.record_overhead
+    monkeypatch.setattr(SpeculationPolicy, "record_overhead", lambda self, s: (gaps.append(s), real(self, s)))
+    ps = prompts(3)
+    with ServingEngine(target, _serving_drafter(target, "ngram"), max_batch=1, max_queue=4) as eng:
+        got = [h.result() for h in [eng.submit(Request(p, max_new_tokens=12, stop_at_eos=False)) for p in ps]]
+        steps, overhead = eng.steps, eng.policy.overhead
+    assert [g[0] for g in got] == solo(target, ps, 12)
+    # one request at a time: every step but each request's first decode step is measured
+    assert 0 < len(gaps) <= steps - len(ps) and all(g >= 0 for g in gaps) and overhead > 0
+
+
 def test_lookup_drafts_are_taken_where_they_pay_and_kept_apart():
     """Fake cost model: flat up to 8 rows, then growing (at 16 rows an extra row costs 1/24 of the
     step): a lookup chain rides on a small batch whatever the head's depth

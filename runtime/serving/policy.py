@@ -7,13 +7,18 @@ rows, and on a CPU (and on a GPU past its memory-bound region) a forward's cost 
 rows. Each step :meth:`SpeculationPolicy.choose` picks the chain depth ``k`` that maximises the
 batch's expected tokens per second::
 
-    rate(k) = sum_b tau_b(k_b) / (unit * cost(sum_b rows_b(k_b)) + draft_fixed + draft * sum_b k_b)
+    rate(k) = sum_b tau_b(k_b) / (unit * cost(sum_b rows_b(k_b)) + draft_fixed + draft * sum_b k_b + overhead)
 
 where ``cost(rows)`` is this machine's measured forward cost relative to one row (the target's
 cost curve, made non-decreasing and extrapolated linearly past its last point), ``unit`` the
-measured seconds of one cost unit, ``draft_fixed + draft * x`` the measured drafting seconds of a
+measured seconds of one cost unit, measured apart for plain steps (one token per row) and steps
+with any draft (a plain step's attention runs every row in one call of the CPU kernel, a step with
+drafts by SDPA per range of rows: one lookup row of 3 tokens turned a 16-row step into a slower kind
+of step, which a price by rows alone did not see), ``draft_fixed + draft * x`` the measured drafting seconds of a
 step that drafts ``x`` tokens (a line fitted to the last steps; nothing when no row drafts with
-the head), and ``tau_b(k)`` the expected tokens of
+the head), ``overhead`` the measured seconds a step spends outside drafting and verification
+(handing its tokens to the clients, the loop between steps: paid once per step whatever its depth, so
+a step that yields more tokens amortises it), and ``tau_b(k)`` the expected tokens of
 request ``b`` at depth ``k`` from its own rolling acceptance (the server-wide acceptance as its
 prior). ``k_b = k`` for requests whose monitor has speculation on, else 0. ``rows_b(k)`` is
 ``k + 1`` (a chain), except that a greedy request whose head drafts a small tree at its full depth
@@ -139,12 +144,15 @@ class SpeculationPolicy:
         self.pooled = AcceptanceTally(max_depth)  # every request's chain steps: the prior of new ones
         self.pooled_tree = AcceptanceTally(max_depth)  # every request's tree steps
         self.lookups = AcceptanceTally(self.lookup_depth)  # prompt-lookup steps, apart from the head's
-        self.unit: float | None = None  # seconds per cost unit (measured)
+        self.unit: float | None = None  # seconds per cost unit (measured, any step)
+        # the same per kind of step: plain (False) and with drafts (True); None until measured
+        self.units: dict[bool, float | None] = {False: None, True: None}
         # drafting seconds of a step = draft_fixed + draft * (head-drafted tokens), fitted to the
         # measured steps (:meth:`record_step`)
         self.draft: float | None = None  # seconds per drafted token per row
         self.draft_fixed = 0.0  # seconds per step that drafts at all
         self._draft_sums = [0.0] * 5  # decayed sums of 1, x, y, x^2, x*y (x drafted, y seconds)
+        self.overhead = 0.0  # seconds per step outside drafting and verification (measured)
 
     def monitor(self, speculate: bool = True, tree_nodes: int | None = None) -> AcceptanceMonitor:
         return AcceptanceMonitor(self.max_depth, self.window, self.reprobe, enabled=speculate and self.max_depth > 0,
@@ -207,7 +215,7 @@ class SpeculationPolicy:
         look = self.lookup_acceptance()
         est = self.estimates(monitors)
         tokens = sum(self.tokens(e, k) for e, k in zip(est, depths))
-        rows, drafted = sum(m.rows(k) for m, k in zip(monitors, depths)), sum(depths)
+        rows, drafted, B = sum(m.rows(k) for m, k in zip(monitors, depths)), sum(depths), len(depths)
         take = [False] * len(depths)
         for b, n in enumerate(lengths):
             if n <= 0:
@@ -215,13 +223,15 @@ class SpeculationPolicy:
             n = min(n, self.lookup_depth)
             t2 = tokens - self.tokens(est[b], depths[b]) + expected_tokens(look, n)
             r2, d2 = rows - monitors[b].rows(depths[b]) + n + 1, drafted - depths[b]
-            if t2 / self.seconds(r2, d2) >= tokens / self.seconds(rows, drafted):
+            if t2 / self.seconds(r2, d2, B) >= tokens / self.seconds(rows, drafted, B):
                 take[b] = True
                 tokens, rows, drafted = t2, r2, d2
         return take
 
-    def record_step(self, verify_seconds: float, rows: int, draft_seconds: float, drafted: int) -> None:
-        """Measured seconds of one step: the forward over ``rows`` rows and the drafting of
+    def record_step(self, verify_seconds: float, rows: int, draft_seconds: float, drafted: int,
+                    batch: int | None = None) -> None:
+        """Measured seconds of one step of ``batch`` sequences (None: its kind unknown, only the
+        unit of all steps learns from it): the forward over ``rows`` rows and the drafting of
         ``drafted`` depths by the head (summed over rows: a chain of ``k`` or a tree ``k`` deep each
         cost ``k`` head forwards; prompt-lookup drafts cost no drafting; the
         drafters' commits are counted in ``draft_seconds``: charging them to no depth instead was
@@ -229,8 +239,20 @@ class SpeculationPolicy:
         the fitted line of :meth:`_fit_draft`."""
         unit = verify_seconds / self.cost(rows)
         self.unit = unit if self.unit is None else 0.8 * self.unit + 0.2 * unit
+        if batch is not None:
+            kind, old = rows > batch, self.units[rows > batch]
+            self.units[kind] = unit if old is None else 0.8 * old + 0.2 * unit
         if drafted:
             self._fit_draft(drafted, draft_seconds)
+
+    def record_overhead(self, seconds: float) -> None:
+        """Measured seconds between one decode step's end of verification and drafting and the next
+        step's start, when nothing else ran between them (no admission, no memory trim): 5-9 ms a
+        step over HTTP here (~10% of a 1-client step), the same at any depth. Left out, a chain of 1
+        was priced as good as the head's tree at 1 client and the server drafted less than
+        always-on (docs/results.md, nineteenth session)."""
+        if seconds >= 0.0:
+            self.overhead = seconds if not self.overhead else 0.9 * self.overhead + 0.1 * seconds
 
     def _fit_draft(self, x: int, y: float) -> None:
         """Drafting seconds as ``draft_fixed + draft * x``, a least-squares line through the last
@@ -272,14 +294,16 @@ class SpeculationPolicy:
         """Expected tokens per second (per cost unit before anything is measured) of one step:
         ``estimates`` from :meth:`estimates`, each request's rows priced by its monitor."""
         tokens = sum(self.tokens(e, k) for e, k in zip(estimates, depths))
-        return tokens / self.seconds(sum(m.rows(k) for m, k in zip(monitors, depths)), sum(depths))
+        return tokens / self.seconds(sum(m.rows(k) for m, k in zip(monitors, depths)), sum(depths), len(depths))
 
-    def seconds(self, rows: int, drafted: int) -> float:
-        """Expected seconds (cost units before anything is measured) of a step verifying ``rows``
-        rows with ``drafted`` head-drafted tokens."""
-        unit = self.unit or 1.0
+    def seconds(self, rows: int, drafted: int, batch: int | None = None) -> float:
+        """Expected seconds (cost units before anything is measured) of a step of ``batch``
+        sequences verifying ``rows`` rows with ``drafted`` head-drafted tokens, its per-step
+        overhead included; priced at the unit of its kind of step (plain when ``rows == batch``)
+        once that was measured, else at the unit of all steps."""
+        unit = (self.units[rows > batch] if batch is not None else None) or self.unit or 1.0
         draft = self.draft if self.draft is not None else 0.0
-        return unit * self.cost(rows) + (self.draft_fixed + draft * drafted if drafted else 0.0)
+        return unit * self.cost(rows) + (self.draft_fixed + draft * drafted if drafted else 0.0) + self.overhead
 
     def best_depth(self, monitors: list[AcceptanceMonitor]) -> int:
         """The depth (0 = none) that maximises the batch's expected rate, the speculating

@@ -174,6 +174,7 @@ class ServingEngine:
         self._thread: threading.Thread | None = None
         self.background = bool(background)
         self.steps = 0
+        self._verified_at: float | None = None  # the last decode step's end of drafting + verification
         self._errors: dict[int, str] = {}  # row -> error of the current step's failed requests
 
     # -- public, any thread ------------------------------------------------------------------
@@ -275,6 +276,8 @@ class ServingEngine:
                     while self._waiting and self._admitted() + len(admit) < self.max_batch:
                         admit.append(self._waiting.popleft())
                     queued = len(self._waiting)
+                if admit:  # a prefill between two steps is not per-step overhead
+                    self._verified_at = None
                 for handle in admit:
                     self._admit(handle)
                 self._drop_cancelled()
@@ -284,6 +287,7 @@ class ServingEngine:
                 if now - self._trimmed >= TRIM_SECONDS or not (self._seqs or self._filling or self._waiting):
                     release_free_memory()  # ~10 ms: every TRIM_SECONDS under load, and whenever it goes idle
                     self._trimmed = now
+                    self._verified_at = None
         except Exception as e:  # a bug must not leave clients waiting forever
             msg = f"{type(e).__name__}: {e}"
             for s in list(self._seqs):
@@ -388,10 +392,13 @@ class ServingEngine:
     @torch.inference_mode()
     def _step(self, queued: int) -> None:
         if not self._seqs:  # nothing decodes yet: this step only prefills
+            self._verified_at = None
             self._prefill_only()
             return
         seqs, dev = self._seqs, self.engine.device
         t0 = time.perf_counter()
+        if self._verified_at is not None:  # the last step's emission and the loop since: per-step overhead
+            self.policy.record_overhead(t0 - self._verified_at)
         caught_up = self.slot_drafts.catchup_seconds if self.slot_drafts is not None else 0.0
         monitors = [s.monitor if s.drafter is not None else _OFF for s in seqs]
         depths = self.policy.choose(monitors)
@@ -487,7 +494,8 @@ class ServingEngine:
         # rows catching their head up on a prompt: once per request, not a cost per drafted depth
         catchup = self.slot_drafts.catchup_seconds - caught_up if self.slot_drafts is not None else 0.0
         if not chunks:  # the cost model's unit is a decode forward's (a prefill chunk would skew it)
-            self.policy.record_step(t2 - t1, sum(counts), (t1 - t0) + (t3 - t2) - catchup, drafted)
+            self.policy.record_step(t2 - t1, sum(counts), (t1 - t0) + (t3 - t2) - catchup, drafted, B)
+        self._verified_at = t3 if not chunks else None
         self.steps += 1
         self.metrics.step(B, queued, sum(1 for d in drafts if d.num_nodes > 1), t3 - t0)
         finished = []
