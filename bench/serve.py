@@ -7,9 +7,9 @@ measured): one with the load-aware policy, one with speculation forced on (``--s
 request). "off" has a process of its own because the load-aware policy learns its costs and
 acceptance from the steps it serves: plain requests on its server moved those estimates and cost
 it 9-12% at 1 client in the seventeenth session's sweep. For each concurrency level the three
-modes run back to back, so their ratios come from one run on one machine state; ``--rounds R`` runs each level R times per mode,
-the modes' order alternating (ABC CBA ...), and pools them (a machine whose speed drifts over a
-level weighs on every mode alike).
+modes run back to back, so their ratios come from one run on one machine state; ``--rounds R``
+runs each level R times per mode, the modes' order alternating (ABC CBA ...), and pools them (a
+machine whose speed drifts over a level weighs on every mode alike).
 
 Per mode and level: output tokens/s over the whole level and its steady rate (the tokens streamed
 while every client was busy, i.e. before the first client found no request left: after that a

@@ -13,9 +13,9 @@ where ``cost(rows)`` is this machine's measured forward cost relative to one row
 cost curve, made non-decreasing and extrapolated linearly past its last point), ``unit`` the
 measured seconds of one cost unit, measured apart for plain steps (one token per row) and steps
 with any draft (a plain step's attention runs every row in one call of the CPU kernel, a step with
-drafts by SDPA per range of rows: one lookup row of 3 tokens turned a 16-row step into a slower kind
-of step, which a price by rows alone did not see), ``draft_fixed + draft * x`` the measured drafting seconds of a
-step that drafts ``x`` tokens (a line fitted to the last steps; nothing when no row drafts with
+drafts by SDPA per range of rows: one lookup row of 3 tokens turned a 16-row step into a slower
+kind of step, which a price by rows alone did not see), ``draft_fixed + draft * x`` the measured
+drafting seconds of a step that drafts ``x`` tokens (a line fitted to the last steps; nothing when no row drafts with
 the head), ``overhead`` the measured seconds a step spends outside drafting and verification
 (handing its tokens to the clients, the loop between steps: paid once per step whatever its depth, so
 a step that yields more tokens amortises it), and ``tau_b(k)`` the expected tokens of
@@ -240,7 +240,8 @@ class SpeculationPolicy:
         unit = verify_seconds / self.cost(rows)
         self.unit = unit if self.unit is None else 0.8 * self.unit + 0.2 * unit
         if batch is not None:
-            kind, old = rows > batch, self.units[rows > batch]
+            kind = rows > batch  # a step with drafts (see the module docstring)
+            old = self.units[kind]
             self.units[kind] = unit if old is None else 0.8 * old + 0.2 * unit
         if drafted:
             self._fit_draft(drafted, draft_seconds)
