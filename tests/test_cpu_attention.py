@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from tiny_models import tiny_llama
 from specfoundry.runtime import cpu_attention
+from specfoundry.runtime.serving import slots as slots_mod
 from specfoundry.runtime.serving.slots import SlotCache, forward_slots
 from specfoundry.runtime.tree import ancestor_matrix, tree_depths
 
@@ -78,7 +79,7 @@ def test_a_tokens_output_is_the_same_bits_in_any_batch():
         at += c
 
 
-def test_slot_forward_with_the_kernel_equals_sdpa_and_solo_forwards():
+def test_slot_forward_with_the_kernel_equals_sdpa_and_solo_forwards(monkeypatch):
     """An fp32 tiny Llama: rows of unequal length with trees and plain rows, the kernel path and the
     SDPA-per-range path of forward_slots agree, and each row's logits are its solo forward's."""
     target = tiny_llama(1, vocab=64, layers=2, dtype=torch.float32)
@@ -105,6 +106,8 @@ def test_slot_forward_with_the_kernel_equals_sdpa_and_solo_forwards():
         pos[b, :n] += tree_depths(p.view(1, -1))[0]
         block[b, :n, :n] = ancestor_matrix(p.view(1, -1))[0]
     counts = [p.numel() for p in parents]
+    monkeypatch.setattr(slots_mod, "KERNEL_TOKENS_PER_ROW", float(N))  # every step on the kernel
+    assert slots_mod.uses_kernel(slots, 4, sum(counts))
     out_kernel = forward_slots(slots, tokens, pos, block, counts=counts)
     slots.kernel = False
     out_sdpa = forward_slots(slots, tokens, pos, block, counts=counts)
@@ -117,6 +120,29 @@ def test_slot_forward_with_the_kernel_equals_sdpa_and_solo_forwards():
         ref = target.forward(drafts[b].view(1, -1), ref_cache, position_ids=lens[b] + tree_depths(p.view(1, -1)),
                              tree_mask=ancestor_matrix(p.view(1, -1)))
         torch.testing.assert_close(out_kernel.logits[b, :n], ref.logits[0], rtol=1e-4, atol=1e-4)  # fp32 rounding through two layers
+
+
+def test_a_mostly_plain_step_runs_the_kernel_and_equals_sdpa():
+    """Under load most rows decode one token and a few draft: such a step (at most
+    KERNEL_TOKENS_PER_ROW tokens per row) attends with the kernel by default, equal to SDPA's."""
+    target = tiny_llama(3, vocab=64, layers=2, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    lens = [9, 3, 17, 6, 12, 25, 2, 8]
+    slots = SlotCache(target._engine(), slots=8, capacity=64)
+    for n in lens:
+        cache = target.new_cache()
+        target.forward(torch.randint(0, 64, (1, n), generator=gen), cache)
+        cache.commit()
+        slots.add(cache)
+    counts = [3] + [1] * 7  # one chain of 2 drafts among plain rows: 10 tokens for 8 rows
+    tokens = torch.randint(0, 64, (8, 3), generator=gen)
+    pos = torch.tensor(lens).view(8, 1) + torch.arange(3)
+    assert slots_mod.uses_kernel(slots, 8, sum(counts)) and not slots_mod.uses_kernel(slots, 8, 8 * 3)
+    out_kernel = forward_slots(slots, tokens, pos, None, counts=counts)
+    slots.kernel = False
+    out_sdpa = forward_slots(slots, tokens, pos, None, counts=counts)
+    for b, c in enumerate(counts):
+        torch.testing.assert_close(out_kernel.logits[b, :c], out_sdpa.logits[b, :c], rtol=1e-4, atol=1e-4)
 
 
 def test_unsupported_caches_are_refused():

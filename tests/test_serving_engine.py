@@ -440,7 +440,7 @@ def test_policy_charges_each_step_its_measured_overhead():
 
 
 def test_policy_prices_plain_steps_and_steps_with_drafts_apart():
-    """A plain step's attention runs in one kernel call, a step with any draft by SDPA per range of
+    """A plain step's attention may run in one kernel call, a step with drafts by SDPA per range of
     rows: the two kinds are measured apart. At 16 rows, one lookup chain of 2 (1.75 expected tokens
     for 2 more rows, within the flat part of the cost curve) pays at the shared unit and not when
     steps with drafts measure 0.08 s against plain steps' 0.05 s."""
@@ -456,6 +456,21 @@ def test_policy_prices_plain_steps_and_steps_with_drafts_apart():
     assert policy.units[False] == pytest.approx(0.05) and policy.units[True] == pytest.approx(0.08)
     assert policy.take_lookups(mons, [0] * 16, [2] + [0] * 15) == [False] * 16
     assert policy.seconds(16, 0, 16) == pytest.approx(0.05) and policy.seconds(18, 0, 16) == pytest.approx(0.08)
+    # where the serving forward attends mostly plain steps with the kernel too (up to 1.5 rows per
+    # sequence), such a step is of the plain kind: the lookup pays again; a step past it does not
+    policy.plain_rows = 1.5
+    assert policy.seconds(24, 0, 16) == pytest.approx(0.05 * policy.cost(24)) and policy.kind(25, 16)
+    assert policy.take_lookups(mons, [0] * 16, [2] + [0] * 15) == [True] + [False] * 15
+
+
+def test_engine_prices_steps_by_the_attention_they_run(target):
+    """The engine tells the policy up to how many rows per sequence its forward attends a step
+    with the CPU kernel (the plain kind), or 1.0 when the kernel does not run."""
+    from specfoundry.runtime.serving import slots as slots_mod
+    with ServingEngine(target, _serving_drafter(target, "ngram"), max_batch=2) as eng:
+        want = slots_mod.KERNEL_TOKENS_PER_ROW if eng.slots.kernel else 1.0
+        assert eng.policy.plain_rows == want
+        assert slots_mod.uses_kernel(eng.slots, 2, 3) == (eng.slots.kernel and 3 <= 2 * slots_mod.KERNEL_TOKENS_PER_ROW)
 
 
 def test_engine_measures_the_overhead_between_decode_steps(target, monkeypatch):

@@ -11,10 +11,11 @@ batch's expected tokens per second::
 
 where ``cost(rows)`` is this machine's measured forward cost relative to one row (the target's
 cost curve, made non-decreasing and extrapolated linearly past its last point), ``unit`` the
-measured seconds of one cost unit, measured apart for plain steps (one token per row) and steps
-with any draft (a plain step's attention runs every row in one call of the CPU kernel, a step with
-drafts by SDPA per range of rows: one lookup row of 3 tokens turned a 16-row step into a slower
-kind of step, which a price by rows alone did not see), ``draft_fixed + draft * x`` the measured
+measured seconds of one cost unit, measured apart for plain steps and steps with drafts: the
+kinds the serving forward attends differently (with the CPU kernel, every row in one call, up to
+:attr:`SpeculationPolicy.plain_rows` rows per sequence; above that by SDPA per range of rows: on
+SDPA one lookup row of 3 tokens turned a 16-row step into a slower kind of step, which a price by
+rows alone did not see), ``draft_fixed + draft * x`` the measured
 drafting seconds of a step that drafts ``x`` tokens (a line fitted to the last steps; nothing when no row drafts with
 the head), ``overhead`` the measured seconds a step spends outside drafting and verification
 (handing its tokens to the clients, the loop between steps: paid once per step whatever its depth, so
@@ -153,6 +154,9 @@ class SpeculationPolicy:
         self.draft_fixed = 0.0  # seconds per step that drafts at all
         self._draft_sums = [0.0] * 5  # decayed sums of 1, x, y, x^2, x*y (x drafted, y seconds)
         self.overhead = 0.0  # seconds per step outside drafting and verification (measured)
+        # a step verifying at most this many rows per sequence is of the plain kind (the serving
+        # engine sets its attention's threshold, :func:`.slots.uses_kernel`; 1.0: plain steps only)
+        self.plain_rows = 1.0
 
     def monitor(self, speculate: bool = True, tree_nodes: int | None = None) -> AcceptanceMonitor:
         return AcceptanceMonitor(self.max_depth, self.window, self.reprobe, enabled=speculate and self.max_depth > 0,
@@ -240,7 +244,7 @@ class SpeculationPolicy:
         unit = verify_seconds / self.cost(rows)
         self.unit = unit if self.unit is None else 0.8 * self.unit + 0.2 * unit
         if batch is not None:
-            kind = rows > batch  # a step with drafts (see the module docstring)
+            kind = self.kind(rows, batch)
             old = self.units[kind]
             self.units[kind] = unit if old is None else 0.8 * old + 0.2 * unit
         if drafted:
@@ -297,12 +301,17 @@ class SpeculationPolicy:
         tokens = sum(self.tokens(e, k) for e, k in zip(estimates, depths))
         return tokens / self.seconds(sum(m.rows(k) for m, k in zip(monitors, depths)), sum(depths), len(depths))
 
+    def kind(self, rows: int, batch: int) -> bool:
+        """A step of ``batch`` sequences verifying ``rows`` rows: False for the plain kind, True for
+        the kind with drafts (see the module docstring)."""
+        return rows > self.plain_rows * batch
+
     def seconds(self, rows: int, drafted: int, batch: int | None = None) -> float:
         """Expected seconds (cost units before anything is measured) of a step of ``batch``
         sequences verifying ``rows`` rows with ``drafted`` head-drafted tokens, its per-step
-        overhead included; priced at the unit of its kind of step (plain when ``rows == batch``)
-        once that was measured, else at the unit of all steps."""
-        unit = (self.units[rows > batch] if batch is not None else None) or self.unit or 1.0
+        overhead included; priced at the unit of its kind of step (:meth:`kind`) once that was
+        measured, else at the unit of all steps."""
+        unit = (self.units[self.kind(rows, batch)] if batch is not None else None) or self.unit or 1.0
         draft = self.draft if self.draft is not None else 0.0
         return unit * self.cost(rows) + (self.draft_fixed + draft * drafted if drafted else 0.0) + self.overhead
 

@@ -47,7 +47,7 @@ from ..verify import verify
 from .drafts import SlotDrafts
 from .policy import SpeculationPolicy
 from .requests import Event, QueueFull, Request, RequestHandle, RequestStats
-from .slots import SlotCache, forward_mixed, forward_slots
+from .slots import KERNEL_TOKENS_PER_ROW, SlotCache, forward_mixed, forward_slots
 
 __all__ = ["Event", "NullMetrics", "QueueFull", "Request", "RequestHandle", "RequestStats", "ServingEngine"]
 
@@ -151,6 +151,8 @@ class ServingEngine:
         self.engine = target._engine()
         # a row holds a whole request plus one step's draft nodes
         self.slots = SlotCache(self.engine, max_batch, self.max_context + self.max_depth + 2)
+        # the policy prices a step at the unit of the attention it will run (:func:`.slots.uses_kernel`)
+        self.policy.plain_rows = KERNEL_TOKENS_PER_ROW if self.slots.kernel else 1.0
         # EAGLE heads draft for every row at once (one head forward per depth, :mod:`.drafts`)
         # (behind prompt lookup too: a row drafts its lookup chain when the policy takes it, else with the head)
         self.slot_drafts = None

@@ -43,8 +43,8 @@ class SlotCache:
                                   dtype=engine.dtype, device=engine.device)
         self.lengths: list[int] = [0] * slots
         self.active = 0
-        # plain steps' attention by the CPU kernel where it runs (runtime/cpu_attention.py), else SDPA
-        # per range of rows; SPECFOUNDRY_SLOT_ATTENTION=sdpa keeps SDPA
+        # plain and mostly plain steps' attention by the CPU kernel where it runs (runtime/cpu_attention.py,
+        # :func:`uses_kernel`), else SDPA per range of rows; SPECFOUNDRY_SLOT_ATTENTION=sdpa keeps SDPA
         self.kernel = os.environ.get("SPECFOUNDRY_SLOT_ATTENTION", "auto") != "sdpa" and \
             cpu_attention.supports(self.kv[0]) and cpu_attention.available()
 
@@ -114,6 +114,19 @@ GROUP_OVERHEAD_COLUMNS = 160
 # rows is mostly fixed work per column: measured for 32 rows, 1 layer, bf16, 1 thread, n = 1/2/6 ->
 # 1.00/1.12/1.65, i.e. ~(6 + n)/7)
 QUERY_FIXED = 6
+#: the CPU kernel attends a step whose real tokens average at most this many per row (above it, SDPA
+#: per range of rows). The kernel's work grows with a row's queries, SDPA's mostly with its columns:
+#: with every row at 2-4 tokens SDPA won on the eleventh session's CPU (1.1-1.8x) and lost on the
+#: twentieth's (kernel 0.84-0.97x); a mostly plain step with a few drafted rows (prompt lookup, probes,
+#: under load) was 0.66-0.83x SDPA's at 8-32 rows (docs/results.md, twentieth session): on SDPA, one
+#: draft among 16 plain rows made the whole step the slower kind
+KERNEL_TOKENS_PER_ROW = 1.5
+
+
+def uses_kernel(cache: SlotCache, rows: int, tokens: int) -> bool:
+    """Whether a step of ``rows`` rows with ``tokens`` real tokens in all attends with the CPU kernel
+    (see :data:`KERNEL_TOKENS_PER_ROW`)."""
+    return cache.kernel and tokens <= KERNEL_TOKENS_PER_ROW * rows
 
 
 def row_groups(lengths: list[int], counts: list[int] | None = None,
@@ -238,10 +251,10 @@ def _slot_attention(cache: SlotCache, B: int, n: int, block: torch.Tensor | None
     """The attention of :func:`forward_slots` for rows ``0..B-1``, row ``b`` with ``counts[b]``
     real tokens of its ``n``: returns ``attention(layer, q, k, v)`` over the real tokens (flat
     ``[T, heads, D]``, rows in order) that writes their K/V after each row's committed length and
-    attends: in a plain step (one token per row) with the CPU kernel (:mod:`..cpu_attention`, where
-    it runs), every row over its own columns in one call; else by SDPA per range of rows (:func:`row_groups`), each range
-    padded only to its own longest draft (a padding query sees what ``block`` gives it and its
-    output is dropped)."""
+    attends: in a plain or mostly plain step (:func:`uses_kernel`) with the CPU kernel
+    (:mod:`..cpu_attention`, where it runs), every row over its own columns in one call; else by
+    SDPA per range of rows (:func:`row_groups`), each range padded only to its own longest draft (a
+    padding query sees what ``block`` gives it and its output is dropped)."""
     engine = cache.engine
     dev = engine.device
     if B != cache.active:
@@ -260,9 +273,7 @@ def _slot_attention(cache: SlotCache, B: int, n: int, block: torch.Tensor | None
     first = torch.tensor(starts, device=dev)
     write = lengths[rows] + torch.arange(T, device=dev) - first[rows]
     kv = cache.kv
-    if cache.kernel and n == 1:  # every row over its own columns in one call, no ranges (plain steps only:
-        # there the kernel measured 0.86x SDPA's step at 32 rows; with 2-4 tokens per row SDPA's
-        # blocked products win, 1.04-1.26x, docs/results.md eleventh session)
+    if uses_kernel(cache, B, T):  # every row over its own columns in one call, no ranges
         i32 = (lengths.int(), torch.tensor(counts, dtype=torch.int32), first.int())
         blk = block.to(torch.uint8).contiguous()
 
