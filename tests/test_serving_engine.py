@@ -463,6 +463,32 @@ def test_policy_prices_plain_steps_and_steps_with_drafts_apart():
     assert policy.take_lookups(mons, [0] * 16, [2] + [0] * 15) == [True] + [False] * 15
 
 
+def test_policy_measures_plain_steps_at_a_batch_size_before_pricing_drafts_against_them():
+    """Units are kept per range of batch sizes. Where only steps with drafts were measured at a
+    batch size (under load every step had taken lookups, the plain price a guess from small
+    batches), the next step is plain (no depth, no lookups); once measured, lookups are priced
+    against the measured plain steps and declined when those are cheaper per token."""
+    policy = SpeculationPolicy(3, cost=lambda rows: max(1.0, rows / 24))
+    policy.prior = lambda: [0.05] * 3
+    policy.lookup_acceptance = lambda: [0.6] * 3
+    for _ in range(20):
+        policy.record_step(0.05, 4, 0.0, 0, 4)  # plain steps at 4 sequences: 50 ms a unit
+        policy.record_step(0.12 * policy.cost(56), 56, 0.0, 0, 32)  # steps with lookups at 32: 120 ms a unit
+    assert policy.unit_of(False, 4) == pytest.approx(0.05) and policy.unit_of(True, 32) == pytest.approx(0.12)
+    mons = [policy.monitor() for _ in range(32)]
+    assert policy.plain_unmeasured(32) and not policy.plain_unmeasured(4)
+    assert policy.choose(mons) == [0] * 32
+    assert policy.take_lookups(mons, [0] * 32, [3] * 32) == [False] * 32
+    policy.record_step(0.09 * policy.cost(32), 32, 0.0, 0, 32)  # the plain step: 90 ms a unit at 32
+    assert not policy.plain_unmeasured(32) and policy.unit_of(False, 32) == pytest.approx(0.09)
+    assert policy.unit_of(False, 4) == pytest.approx(0.05)  # other batch sizes keep their own
+    taken = policy.take_lookups(mons, [0] * 32, [3] * 32)
+    # up to 48 rows (1.0 rows per sequence here: any lookup makes the slower kind at 120 ms): none pays
+    assert taken == [False] * 32
+    # a size with neither kind measured falls back to the kinds over all sizes
+    assert policy.unit_of(False, 200) == policy.units[False]
+
+
 def test_engine_prices_steps_by_the_attention_they_run(target):
     """The engine tells the policy up to how many rows per sequence its forward attends a step
     with the CPU kernel (the plain kind), or 1.0 when the kernel does not run."""

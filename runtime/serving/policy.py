@@ -15,7 +15,9 @@ measured seconds of one cost unit, measured apart for plain steps and steps with
 kinds the serving forward attends differently (with the CPU kernel, every row in one call, up to
 :attr:`SpeculationPolicy.plain_rows` rows per sequence; above that by SDPA per range of rows: on
 SDPA one lookup row of 3 tokens turned a 16-row step into a slower kind of step, which a price by
-rows alone did not see), ``draft_fixed + draft * x`` the measured
+rows alone did not see) and per range of batch sizes (a unit of the single-sequence curve costs
+more seconds at 32 rows than at 8: every row attends over its own context; plain units measured at
+4-8 rows were 60-70% of the 32-row one), ``draft_fixed + draft * x`` the measured
 drafting seconds of a step that drafts ``x`` tokens (a line fitted to the last steps; nothing when no row drafts with
 the head), ``overhead`` the measured seconds a step spends outside drafting and verification
 (handing its tokens to the clients, the loop between steps: paid once per step whatever its depth, so
@@ -40,6 +42,12 @@ acceptance, whatever the depth chosen above (even 0, or a request whose monitor 
 at small batch an extra row is nearly free, as in the single-stream generator, which always takes
 a lookup draft; at large batch only a lookup that accepts well enough is worth its rows). Lookup
 steps are kept out of the head's acceptance figures.
+
+Where steps with drafts were measured at a batch size and plain steps never were (under load every
+step took lookups, so the plain price was a guess), the next step is plain: its price is measured
+before speculation is priced against it (measured at 32 clients: with plain steps priced at the
+unit of all steps, mostly drafting ones, every step took 6-14 lookup chains and cost 1.6x a plain
+step for 1.4x its tokens).
 
 A table in the style of vLLM's ``num_speculative_tokens_per_batch_size`` (``"1-4:3,5-8:1,9-:0"``)
 overrides the cost model's depth; the per-request monitor still applies. When the estimates
@@ -148,6 +156,8 @@ class SpeculationPolicy:
         self.unit: float | None = None  # seconds per cost unit (measured, any step)
         # the same per kind of step: plain (False) and with drafts (True); None until measured
         self.units: dict[bool, float | None] = {False: None, True: None}
+        # and per kind and range of batch sizes (:func:`batch_range`): what a step is priced at
+        self.units_at: dict[tuple[bool, int], float] = {}
         # drafting seconds of a step = draft_fixed + draft * (head-drafted tokens), fitted to the
         # measured steps (:meth:`record_step`)
         self.draft: float | None = None  # seconds per drafted token per row
@@ -216,6 +226,8 @@ class SpeculationPolicy:
         none) instead of ``depths[b]`` (from :meth:`choose`): rows in order, each taken when that raises
         the batch's expected rate (tokens per second of :meth:`rate`; a lookup draft costs its rows in
         the forward and nothing to draft)."""
+        if self.plain_unmeasured(len(depths)):
+            return [False] * len(depths)
         look = self.lookup_acceptance()
         est = self.estimates(monitors)
         tokens = sum(self.tokens(e, k) for e, k in zip(est, depths))
@@ -247,6 +259,9 @@ class SpeculationPolicy:
             kind = self.kind(rows, batch)
             old = self.units[kind]
             self.units[kind] = unit if old is None else 0.8 * old + 0.2 * unit
+            key = (kind, batch_range(batch))
+            old = self.units_at.get(key)
+            self.units_at[key] = unit if old is None else 0.8 * old + 0.2 * unit
         if drafted:
             self._fit_draft(drafted, draft_seconds)
 
@@ -301,6 +316,24 @@ class SpeculationPolicy:
         tokens = sum(self.tokens(e, k) for e, k in zip(estimates, depths))
         return tokens / self.seconds(sum(m.rows(k) for m, k in zip(monitors, depths)), sum(depths), len(depths))
 
+    def unit_of(self, kind: bool, batch: int) -> float | None:
+        """Seconds per cost unit of a step of ``kind`` at ``batch`` sequences: measured at this range
+        of batch sizes; else the other kind's there, scaled by the two kinds' ratio over all sizes;
+        else this kind's over all sizes (None: not measured)."""
+        r = batch_range(batch)
+        if (kind, r) in self.units_at:
+            return self.units_at[(kind, r)]
+        other, mine = self.units_at.get((not kind, r)), self.units[kind]
+        if other is not None and mine and self.units[not kind]:
+            return other * mine / self.units[not kind]
+        return mine
+
+    def plain_unmeasured(self, batch: int) -> bool:
+        """Steps with drafts were measured at this range of batch sizes and plain steps never were:
+        the next step runs plain (see the module docstring). Not with a table (it decides alone)."""
+        r = batch_range(batch)
+        return self.table is None and (True, r) in self.units_at and (False, r) not in self.units_at
+
     def kind(self, rows: int, batch: int) -> bool:
         """A step of ``batch`` sequences verifying ``rows`` rows: False for the plain kind, True for
         the kind with drafts (see the module docstring)."""
@@ -311,7 +344,7 @@ class SpeculationPolicy:
         sequences verifying ``rows`` rows with ``drafted`` head-drafted tokens, its per-step
         overhead included; priced at the unit of its kind of step (:meth:`kind`) once that was
         measured, else at the unit of all steps."""
-        unit = (self.units[self.kind(rows, batch)] if batch is not None else None) or self.unit or 1.0
+        unit = (self.unit_of(self.kind(rows, batch), batch) if batch is not None else None) or self.unit or 1.0
         draft = self.draft if self.draft is not None else 0.0
         return unit * self.cost(rows) + (self.draft_fixed + draft * drafted if drafted else 0.0) + self.overhead
 
@@ -334,6 +367,8 @@ class SpeculationPolicy:
             B = len(monitors)
             k = next((d for lo, hi, d in self.table if lo <= B <= hi), 0)
         if k is None:
+            if self.plain_unmeasured(len(monitors)):
+                return [0] * len(monitors)
             k = self.best_depth(monitors)
             if k == 0 and any(m.speculating for m in monitors):
                 self._since_draft += 1
@@ -347,6 +382,11 @@ class SpeculationPolicy:
         if k:
             self._since_draft = 0
         return [k if m.speculating else 0 for m in monitors]
+
+
+def batch_range(batch: int) -> int:
+    """The range of batch sizes a measured unit stands for: 1, 2-3, 4-7, 8-15, 16-31, 32-63, ..."""
+    return max(1, batch).bit_length()
 
 
 #: drafting steps the fit of their cost weighs (decay 1 - 1/DRAFT_WINDOW; ~2-4 s of steps at 1-2 clients)
