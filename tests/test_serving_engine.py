@@ -441,26 +441,26 @@ def test_policy_charges_each_step_its_measured_overhead():
 
 def test_policy_prices_plain_steps_and_steps_with_drafts_apart():
     """A plain step's attention may run in one kernel call, a step with drafts by SDPA per range of
-    rows: the two kinds are measured apart. At 16 rows, one lookup chain of 2 (1.75 expected tokens
-    for 2 more rows, within the flat part of the cost curve) pays at the shared unit and not when
+    rows: the two kinds are measured apart. At 16 rows, one lookup chain of 3 (1.875 expected tokens
+    for 3 more rows, within the flat part of the cost curve) pays at the shared unit and not when
     steps with drafts measure 0.08 s against plain steps' 0.05 s."""
     policy = SpeculationPolicy(3, cost=lambda rows: max(1.0, rows / 24))
     policy.prior = lambda: [0.05] * 3  # the head accepts nothing: depth 0
     mons = [policy.monitor() for _ in range(16)]
     policy.unit = 0.05
     assert policy.best_depth(mons) == 0
-    assert policy.take_lookups(mons, [0] * 16, [2] + [0] * 15) == [True] + [False] * 15  # one unit for all
+    assert policy.take_lookups(mons, [0] * 16, [3] + [0] * 15) == [True] + [False] * 15  # one unit for all
     for _ in range(30):
         policy.record_step(0.05, 16, 0.0, 0, 16)
         policy.record_step(0.08, 18, 0.0, 0, 16)
     assert policy.units[False] == pytest.approx(0.05) and policy.units[True] == pytest.approx(0.08)
-    assert policy.take_lookups(mons, [0] * 16, [2] + [0] * 15) == [False] * 16
+    assert policy.take_lookups(mons, [0] * 16, [3] + [0] * 15) == [False] * 16
     assert policy.seconds(16, 0, 16) == pytest.approx(0.05) and policy.seconds(18, 0, 16) == pytest.approx(0.08)
     # where the serving forward attends mostly plain steps with the kernel too (up to 1.5 rows per
     # sequence), such a step is of the plain kind: the lookup pays again; a step past it does not
     policy.plain_rows = 1.5
     assert policy.seconds(24, 0, 16) == pytest.approx(0.05 * policy.cost(24)) and policy.kind(25, 16)
-    assert policy.take_lookups(mons, [0] * 16, [2] + [0] * 15) == [True] + [False] * 15
+    assert policy.take_lookups(mons, [0] * 16, [3] + [0] * 15) == [True] + [False] * 15
 
 
 def test_policy_measures_plain_steps_at_a_batch_size_before_pricing_drafts_against_them():
@@ -487,6 +487,27 @@ def test_policy_measures_plain_steps_at_a_batch_size_before_pricing_drafts_again
     assert taken == [False] * 32
     # a size with neither kind measured falls back to the kinds over all sizes
     assert policy.unit_of(False, 200) == policy.units[False]
+
+
+def test_policy_speculates_only_past_its_margin():
+    """A depth or a step's lookups are taken only when their expected rate beats not speculating by
+    the margin: at 32 rows on a flat cost, one lookup chain of 1 (+0.5 tokens, 1.6%) is declined,
+    eight of them (+12.5%) are taken; with the margin at 0 the single one is taken too."""
+    policy = SpeculationPolicy(3, cost=lambda rows: 1.0)
+    policy.prior = lambda: [0.05] * 3
+    policy.unit = 0.05
+    mons = [policy.monitor() for _ in range(32)]
+    assert policy.margin == pytest.approx(0.05)
+    assert policy.take_lookups(mons, [0] * 32, [1] + [0] * 31) == [False] * 32
+    assert policy.take_lookups(mons, [0] * 32, [1] * 8 + [0] * 24) == [True] * 8 + [False] * 24
+    policy.margin = 0.0
+    assert policy.take_lookups(mons, [0] * 32, [1] + [0] * 31) == [True] + [False] * 31
+    # the head: a 1-row batch whose depth 1 gains 4% (1.04 tokens for the same seconds) stays plain
+    head = SpeculationPolicy(1, cost=lambda rows: 1.0)
+    head.unit, head.prior = 0.05, (lambda: [0.04])
+    assert head.best_depth([head.monitor()]) == 0
+    head.prior = lambda: [0.2]
+    assert head.best_depth([head.monitor()]) == 1
 
 
 def test_engine_prices_steps_by_the_attention_they_run(target):
