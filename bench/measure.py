@@ -42,6 +42,30 @@ def rss_mb() -> float | None:
         return None
 
 
+def cpu_ticks(stat: str | None = None) -> tuple[int, int] | None:
+    """(ticks stolen by the hypervisor, all ticks) summed over this machine's CPUs since boot, from
+    ``/proc/stat`` (or its text ``stat``); None where there is none. Steal is time this VM's vCPUs
+    were ready to run but the host ran something else: on the shared 2-core development machine it
+    reached 50% for minutes at a time, halving every measured speed (docs/results.md, twentieth
+    session), so a benchmark records it beside what it measured."""
+    try:
+        if stat is None:
+            with open("/proc/stat") as f:
+                stat = f.read()
+        fields = [int(x) for x in stat.splitlines()[0].split()[1:]]
+        # user nice system idle iowait irq softirq steal [guest guest_nice: already inside user/nice]
+        return fields[7], sum(fields[:8])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the CPU time between two :func:`cpu_ticks` readings that was stolen."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def unit_seed(seed: int, repeat: int, prompt: BenchPrompt, turn: int) -> int:
     """The sampling seed of one prompt turn (the same for every method)."""
     return (seed + 7919 * repeat + zlib.crc32(f"{prompt.key}:{prompt.question_id}:{turn}".encode())) % (2**31)

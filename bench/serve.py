@@ -143,10 +143,13 @@ async def _run(url: str, prompts: list[list[dict]], concurrency: int, requests: 
     ``concurrency`` clients were busy (after that the level's end is set by its stragglers)."""
     import httpx
 
+    from .measure import cpu_ticks, steal_fraction
+
     results, errors = [], []
     next_i = 0
     drain = None
     deadline = time.perf_counter() + seconds
+    ticks = cpu_ticks()
     t0 = time.perf_counter()
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(seconds + 60), limits=limits) as client:
@@ -162,7 +165,8 @@ async def _run(url: str, prompts: list[list[dict]], concurrency: int, requests: 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     end = time.perf_counter()
     return {"results": results, "errors": errors, "seconds": end - t0, "steady_seconds": (drain or end) - t0,
-            "steady_tokens": sum(tokens_before(r, drain or end) for r in results)}
+            "steady_tokens": sum(tokens_before(r, drain or end) for r in results),
+            "steal": steal_fraction(ticks, cpu_ticks())}
 
 
 def tokens_before(r: dict, t: float) -> float:
@@ -184,12 +188,15 @@ def summarise(concurrency: int, runs: list[dict]) -> dict:
     steady = sum(run["steady_seconds"] for run in runs)
     tokens = sum(r["tokens"] for r in results)
     forwards = sum(r["forwards"] or 0 for r in results)
+    stolen = [(run["steal"], run["seconds"]) for run in runs if run.get("steal") is not None]
     return {
         "concurrency": concurrency, "rounds": len(runs), "requests": len(results), "errors": len(errors),
         "error_samples": errors[:3], "seconds": wall, "tokens": tokens,
         "output_tok_s": tokens / wall if wall else 0.0,
         "steady_tok_s": sum(run["steady_tokens"] for run in runs) / steady if steady else 0.0,
         "tau": tokens / forwards if forwards else None,
+        # the CPU time the hypervisor took while this level ran (seconds-weighted over its runs)
+        "steal": sum(f * t for f, t in stolen) / sum(t for _, t in stolen) if stolen and sum(t for _, t in stolen) else None,
         "latency_p50": _percentile([r["latency"] for r in results], 0.5),
         "latency_p99": _percentile([r["latency"] for r in results], 0.99),
         "ttft_p50": _percentile([r["ttft"] for r in results], 0.5),
@@ -297,7 +304,7 @@ def _baseline(mode: str) -> str:
 
 def _table(levels: dict) -> str:
     lines = ["| clients | mode | tok/s | vs off | steady tok/s | vs off | τ | latency p50/p99 s | TTFT p50/p99 s | "
-             "TPOT p50/p99 ms | done | errors |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "TPOT p50/p99 ms | CPU stolen | done | errors |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     conc = sorted({r["concurrency"] for rows in levels.values() for r in rows})
     offs = {b: {r["concurrency"]: r for r in levels.get(b, [])} for b in ("off", "vllm-off")}
 
@@ -317,6 +324,7 @@ def _table(levels: dict) -> str:
                          f"{f(steady)}x | {f(r['tau'])} | "
                          f"{f(r['latency_p50'])}/{f(r['latency_p99'])} | {f(r['ttft_p50'])}/{f(r['ttft_p99'])} | "
                          f"{f(r['tpot_p50'] and r['tpot_p50'] * 1e3, '{:.1f}')}/{f(r['tpot_p99'] and r['tpot_p99'] * 1e3, '{:.1f}')} | "
+                         f"{f(None if r.get('steal') is None else 100 * r['steal'], '{:.0f}%')} | "
                          f"{r['requests']} | {r['errors']} |")
     return "\n".join(lines)
 
@@ -428,7 +436,8 @@ def main(args) -> int:
                     vllm_server.add_tau(row, before[mode], vllm_server.spec_counters(urls[mode]))
                 levels[mode].append(row)
                 print(f"  {c:>3} clients  {mode:<10} {row['output_tok_s']:7.1f} tok/s  steady {row['steady_tok_s']:7.1f}  "
-                      f"tau {row['tau'] or 0:.2f}  done {row['requests']}  errors {row['errors']}", flush=True)
+                      f"tau {row['tau'] or 0:.2f}  done {row['requests']}  errors {row['errors']}"
+                      + (f"  CPU stolen {100 * row['steal']:.0f}%" if row.get("steal") is not None else ""), flush=True)
         soak_url = aware or off or on  # the soak wants the load-aware server; any of ours will do without it
         soak = asyncio.run(_soak(soak_url, prompts, args.soak, args.max_tokens, max_c)) if args.soak and soak_url else None
     report = {"args": vars(args) | {"func": None}, "speculator": speculator, "levels": levels, "peers": peers,

@@ -9,6 +9,7 @@ drafts are partly accepted and every step of the batched speculative path runs.
 
 import concurrent.futures as cf
 import json
+import os
 import threading
 import time
 
@@ -518,7 +519,9 @@ def test_bench_serve_sweeps_modes_and_writes_its_report(model_dirs, tmp_path):
     assert all(r["tau"] == pytest.approx(1.0) for r in report["levels"]["off"])  # speculate: false really is off
     assert any(r["tau"] > 1.0 for r in report["levels"]["on"])  # the always-on server drafted and accepted
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "| 2 | load-aware |" in md
+    assert "| 2 | load-aware |" in md and "CPU stolen" in md
+    if os.path.exists("/proc/stat"):  # each level says how much CPU the hypervisor took meanwhile
+        assert all(0.0 <= r["steal"] <= 1.0 for rows in report["levels"].values() for r in rows)
 
 
 def test_bench_serve_pools_rounds_and_counts_the_steady_part():
@@ -533,6 +536,20 @@ def test_bench_serve_pools_rounds_and_counts_the_steady_part():
     assert row["rounds"] == 2 and row["requests"] == 3 and row["errors"] == 1
     assert row["output_tok_s"] == pytest.approx(33 / 50) and row["steady_tok_s"] == pytest.approx(40 / 40)
     assert row["tau"] == pytest.approx(2.0)
+    assert row["steal"] is None  # runs that could not read /proc/stat
+    a["steal"], b["steal"] = 0.5, 0.0  # half the CPU stolen in the first round's 20 s, none in the 30 s after
+    assert summarise(4, [a, b])["steal"] == pytest.approx(10 / 50)
+
+
+def test_cpu_steal_is_read_from_proc_stat():
+    from specfoundry.bench.measure import cpu_ticks, steal_fraction
+
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    before = cpu_ticks("cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 50 0 25 400 5 0 0 20 0 0\n")
+    after = cpu_ticks("cpu  150 0 60 830 10 0 0 100 0 0\n")
+    assert before == (40, 1000) and after == (100, 1150)
+    assert steal_fraction(before, after) == pytest.approx(60 / 150)
+    assert steal_fraction(None, after) is None and cpu_ticks("garbage") is None
 
 
 def test_soak_rss_trend_separates_warm_up_from_growth():
