@@ -14,7 +14,9 @@ machine whose speed drifts over a level weighs on every mode alike).
 Per mode and level: output tokens/s over the whole level and its steady rate (the tokens streamed
 while every client was busy, i.e. before the first client found no request left: after that a
 level's end is set by its last stragglers, which made short high-concurrency levels noisy), request latency, time to first token and time per output
-token (p50/p99), τ from the responses' ``usage.speculative_decoding``. Every level is bounded in
+token (p50/p99), τ from the responses' ``usage.speculative_decoding``, and the share of the CPU
+the hypervisor stole while it ran (``/proc/stat``; on the shared development machine 10-50% for
+minutes at a time: a row run under steal is slower for that reason alone). Every level is bounded in
 requests and seconds and stops by itself. ``--soak SECONDS`` adds a mixed-load run against the
 load-aware server (concurrency changing every 15 s, one stream in ten abandoned mid-way) that
 counts errors and reports the server's resident memory at start and end.
