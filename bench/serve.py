@@ -191,6 +191,7 @@ def summarise(concurrency: int, runs: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in results)
     forwards = sum(r["forwards"] or 0 for r in results)
     stolen = [(run["steal"], run["seconds"]) for run in runs if run.get("steal") is not None]
+    stolen_s = sum(t for _, t in stolen)
     return {
         "concurrency": concurrency, "rounds": len(runs), "requests": len(results), "errors": len(errors),
         "error_samples": errors[:3], "seconds": wall, "tokens": tokens,
@@ -198,7 +199,7 @@ def summarise(concurrency: int, runs: list[dict]) -> dict:
         "steady_tok_s": sum(run["steady_tokens"] for run in runs) / steady if steady else 0.0,
         "tau": tokens / forwards if forwards else None,
         # the CPU time the hypervisor took while this level ran (seconds-weighted over its runs)
-        "steal": sum(f * t for f, t in stolen) / sum(t for _, t in stolen) if stolen and sum(t for _, t in stolen) else None,
+        "steal": sum(f * t for f, t in stolen) / stolen_s if stolen_s else None,
         "latency_p50": _percentile([r["latency"] for r in results], 0.5),
         "latency_p99": _percentile([r["latency"] for r in results], 0.99),
         "ttft_p50": _percentile([r["ttft"] for r in results], 0.5),
