@@ -407,9 +407,10 @@ class ServingEngine:
         drafts, failed = [None] * len(seqs), {}
         # prompt lookup: what followed the context's suffix before (no head forward), for the rows
         # whose lookup the policy says pays at this batch (even those it has at depth 0)
-        found = [s.lookup.chain(s.ids[:, -1], min(s.lookup.default_depth, self.max_depth))
-                 if s.lookup is not None and s.monitor.enabled else None for s in seqs]
-        lengths = [f.num_nodes - 1 if f is not None else 0 for f in found]
+        # (token lists: a row's Draft is built only if its lookup is taken; most rows' are not under load)
+        found = [s.lookup.lookup(min(s.lookup.default_depth, self.max_depth))
+                 if s.lookup is not None and s.monitor.enabled else [] for s in seqs]
+        lengths = [len(f) for f in found]
         # a step that also prefills while the policy has the head off (high load): no lookup rows either;
         # they take the prompts' share of the forward and delay admissions (measured at 32 clients:
         # lookups taken in such steps cost load-aware 6-13% against off)
@@ -419,7 +420,7 @@ class ServingEngine:
         batched: dict[tuple[int, int], list[int]] = {}  # (depth, nodes) -> rows drafted together by the slot drafts
         for b, (s, k) in enumerate(zip(seqs, depths)):
             if looked[b]:
-                drafts[b] = found[b]
+                drafts[b] = Draft.chain(s.ids[0, -1:], torch.tensor([found[b]], dtype=torch.long, device=dev))
             elif k > 0 and s.drafter is _BATCHED:
                 batched.setdefault((k, s.monitor.rows(k)), []).append(b)
             elif k > 0:
@@ -441,18 +442,20 @@ class ServingEngine:
         t1 = time.perf_counter()
         B, N = len(seqs), max(d.num_nodes for d in drafts)
         tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
-        positions = torch.zeros(B, N, dtype=torch.long, device=dev)
+        tokens[:, 0] = torch.cat([d.tokens[0, :1] for d in drafts])
+        positions = torch.tensor(self.slots.lengths[:B], dtype=torch.long, device=dev).view(B, 1).repeat(1, N)
         block = torch.eye(N, dtype=torch.bool, device=dev).repeat(B, 1, 1)  # padding sees itself only
         depth_of = []  # each draft's depth (a tree k deep has more nodes than k)
-        for b, d in enumerate(drafts):
+        for b, d in enumerate(drafts):  # per-row work only for drafted rows (few of them under load)
             n = d.num_nodes
+            if n == 1:  # a plain row: its root at depth 0
+                depth_of.append(0)
+                continue
             tokens[b, :n] = d.tokens[0]
-            positions[b] = self.slots.lengths[b]
             node_depths = tree_depths(d.parents)[0]
             positions[b, :n] += node_depths
-            depth_of.append(int(node_depths.max()) if n > 1 else 0)
-            if n > 1:
-                block[b, :n, :n] = ancestor_matrix(d.parents)[0]
+            depth_of.append(int(node_depths.max()))
+            block[b, :n, :n] = ancestor_matrix(d.parents)[0]
         counts = [d.num_nodes for d in drafts]  # only real nodes run through the linears (forward_mixed)
         chunks = self._chunks(self.max_step_tokens - sum(counts))
         if chunks:
