@@ -583,6 +583,32 @@ def test_monitor_switches_a_request_off_and_reprobes():
     assert good.speculating and policy.best_depth([good]) == 3
 
 
+def test_monitor_acceptance_follows_its_window():
+    """The monitor keeps its window's tallies between steps: after any records (the window
+    evicting its oldest steps, tree and chain steps, a switch-off) its acceptance equals one
+    computed afresh from the same steps."""
+    import random
+
+    rng = random.Random(0)
+    m = AcceptanceMonitor(4, window=5, tree_nodes=8)
+    prior = [0.5, 0.4, 0.3, 0.2]
+
+    def fresh(tree):
+        f = AcceptanceMonitor(4, window=5, tree_nodes=8)
+        for d, a in (m.tree_steps if tree else m.steps):
+            f.record(d, a, tree)
+        return f.acceptance(prior, tree=tree)
+
+    for i in range(60):
+        d = rng.randint(0, 4)
+        m.record(d, rng.randint(0, d), tree=rng.random() < 0.3)
+        if i == 40:
+            m.switch_off()
+        for tree in (False, True):
+            assert m.acceptance(prior, tree=tree) == fresh(tree)
+    assert len(m.steps) == 5 and m.turned_off == 1
+
+
 def test_speculation_table_parser():
     assert parse_table("1-4:3,5-8:1,9-:0", 4) == [(1, 4, 3), (5, 8, 1), (9, 1 << 30, 0)]
     assert parse_table("1:2", 4) == [(1, 1, 2)]

@@ -104,10 +104,14 @@ class AcceptanceMonitor:
         self.enabled = enabled  # False: the request opted out
         self.off_for = 0  # plain steps left before re-probing
         self.turned_off = 0  # times the monitor switched this request off
+        # the window's tallies (chain, tree), kept until the window changes: a step asks every row's
+        # acceptance several times and under load most rows record plain steps that change nothing
+        self._tallies: dict[bool, AcceptanceTally] = {}
 
     def record(self, depth_drafted: int, accepted: int, tree: bool = False) -> None:
         if depth_drafted:
             (self.tree_steps if tree else self.steps).append((depth_drafted, accepted))
+            self._tallies.pop(tree, None)
         elif self.off_for:
             self.off_for -= 1
 
@@ -115,9 +119,11 @@ class AcceptanceMonitor:
         """Per-depth conditional acceptance from the window (of chain steps, or of tree steps),
         shrunk towards ``prior`` with the weight of ``weight`` observations (a new request starts
         at the prior)."""
-        tally = AcceptanceTally(self.max_depth)
-        for d, a in (self.tree_steps if tree else self.steps):
-            tally.record(d, a)
+        tally = self._tallies.get(tree)
+        if tally is None:
+            tally = self._tallies[tree] = AcceptanceTally(self.max_depth)
+            for d, a in (self.tree_steps if tree else self.steps):
+                tally.record(d, a)
         return [(p + weight * pr) / (t + weight) for p, t, pr in zip(tally.passed[1:], tally.tried[1:], prior)]
 
     def rows(self, depth: int) -> int:
@@ -132,6 +138,7 @@ class AcceptanceMonitor:
         self.off_for = self.reprobe
         self.steps.clear()  # the re-probe starts from the prior again
         self.tree_steps.clear()
+        self._tallies.clear()
         self.turned_off += 1
 
 
@@ -317,8 +324,10 @@ class SpeculationPolicy:
         if depth_drafted:
             (self.pooled_tree if tree else self.pooled).record(depth_drafted, accepted)
         monitor.record(depth_drafted, accepted, tree)
-        if monitor.speculating and len(monitor.steps) + len(monitor.tree_steps) >= self.min_steps and \
-                self.best_depth([monitor]) == 0:
+        # judged after the request's own drafted steps: a plain step leaves its acceptance as it was
+        # (under load most rows' steps are plain, and judging each row costs a best_depth)
+        if depth_drafted and monitor.speculating and len(monitor.steps) + len(monitor.tree_steps) >= self.min_steps \
+                and self.best_depth([monitor]) == 0:
             monitor.switch_off()
 
     # -- the decision ----------------------------------------------------------------------
