@@ -3,6 +3,7 @@
 Tiny float64 Llamas (exact); the HTTP server on top is tested in test_server.py.
 """
 
+import random
 import threading
 import time
 
@@ -587,8 +588,6 @@ def test_monitor_acceptance_follows_its_window():
     """The monitor keeps its window's tallies between steps: after any records (the window
     evicting its oldest steps, tree and chain steps, a switch-off) its acceptance equals one
     computed afresh from the same steps."""
-    import random
-
     rng = random.Random(0)
     m = AcceptanceMonitor(4, window=5, tree_nodes=8)
     prior = [0.5, 0.4, 0.3, 0.2]

@@ -407,10 +407,9 @@ class ServingEngine:
         drafts, failed = [None] * len(seqs), {}
         # prompt lookup: what followed the context's suffix before (no head forward), for the rows
         # whose lookup the policy says pays at this batch (even those it has at depth 0)
-        # (token lists: a row's Draft is built only if its lookup is taken; most rows' are not under load)
-        found = [s.lookup.lookup(min(s.lookup.default_depth, self.max_depth))
-                 if s.lookup is not None and s.monitor.enabled else [] for s in seqs]
-        lengths = [len(f) for f in found]
+        # (lengths only: a row's chain is built only if its lookup is taken; most rows' are not under load)
+        lengths = [len(s.lookup.lookup(min(s.lookup.default_depth, self.max_depth)))
+                   if s.lookup is not None and s.monitor.enabled else 0 for s in seqs]
         # a step that also prefills while the policy has the head off (high load): no lookup rows either;
         # they take the prompts' share of the forward and delay admissions (measured at 32 clients:
         # lookups taken in such steps cost load-aware 6-13% against off)
@@ -420,7 +419,7 @@ class ServingEngine:
         batched: dict[tuple[int, int], list[int]] = {}  # (depth, nodes) -> rows drafted together by the slot drafts
         for b, (s, k) in enumerate(zip(seqs, depths)):
             if looked[b]:
-                drafts[b] = Draft.chain(s.ids[0, -1:], torch.tensor([found[b]], dtype=torch.long, device=dev))
+                drafts[b] = s.lookup.chain(s.ids[:, -1], lengths[b])
             elif k > 0 and s.drafter is _BATCHED:
                 batched.setdefault((k, s.monitor.rows(k)), []).append(b)
             elif k > 0:
