@@ -1,5 +1,6 @@
-"""A few-row matrix product for x86 CPUs with AVX2+FMA: ``y = x @ w.T`` for 1-8 rows of ``x``,
-each weight row read once for all of them (the engine's ``"avx2"`` kernel).
+"""A few-row matrix product for x86 CPUs: ``y = x @ w.T`` for 1-8 rows of ``x``, each weight row
+read once for all of them: with AVX2+FMA (the engine's ``"avx2"`` kernel, bf16 or fp32 weights) and
+with AVX-512 BF16 (``"avx512bf16"``, bf16 only: :func:`gemv_bf16`).
 
 Why: on a CPU the target's matrix products for a decode step or a small verification are
 weight-streaming work, but the library kernels treat a few rows as a GEMM. Measured on a 2-core
@@ -13,6 +14,15 @@ a fixed horizontal add), whatever the row count and thread count, so a token's l
 same bits in a plain step and in a verification (ATen and oneDNN pick other kernels for other
 row counts, which is where bf16 near-ties between a plain and a speculative run come from).
 bf16 weights are widened exactly (a shift); products accumulate in fp32 like ATen's.
+
+The AVX-512 BF16 kernel (CPUs with ``avx512_bf16``: AMD Zen 4 and later, Intel Cooper Lake,
+Sapphire Rapids and later) multiplies bf16 pairs into fp32 sums with one instruction per 32
+inputs (``vdpbf16ps``) and no widening, several output rows at a time (independent sums: the
+instruction's latency is hidden), and rounds the outputs to bf16 itself. Measured on a 2-core AMD
+EPYC with avx512_bf16 (docs/results.md, twenty-second session), SmolLM2-135M's matrices once, 1
+thread: see the table there. Numerics: each output is one thread's fp32 sum in a fixed order
+(pairs, 16 lanes, then the lanes' tree sum) whatever the row count and thread count, as above; the
+inputs are the activations' bf16 values as they are (ATen's bf16 products take the same inputs).
 
 Build: the C source below is compiled once per machine by :func:`.native.build` (``cc -O3 -mavx2
 -mfma -fopenmp``, cached by source hash, OpenMP shared with torch). No compiler, no AVX2/FMA, or a
@@ -29,7 +39,8 @@ import torch
 
 from .native import PRELUDE, build
 
-__all__ = ["MAX_ROWS", "available", "gemv", "unavailable_reason"]
+__all__ = ["MAX_ROWS", "available", "bf16_available", "bf16_unavailable_reason", "gemv", "gemv_bf16",
+           "unavailable_reason"]
 
 MAX_ROWS = 8  # rows handled in one pass over the weights (accumulators held in registers)
 
@@ -62,6 +73,126 @@ void NAME(const float *x, const WT *w, float *y, int n, int in, int out) {      
 GEMV(sf_gemv_bf16, uint16_t, ld_bf16)
 GEMV(sf_gemv_f32, float, ld_f32)
 """
+
+
+# y[r, o] = sum_i x[r, i] * w[o, i] for all n rows of x (bf16 [n, in]), w bf16 [out, in], bias bf16
+# [out] or NULL, y bf16 [n, out]. Work unit: 32 weight rows x up to 8 rows of x at a time, the weight
+# rows read from memory once for all of them (they stay in L1 across the chunks of 8 rows).
+_SOURCE_BF16 = r"""
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline uint16_t to_bf16(float f) {  /* round to nearest even (finite values) */
+    union { float f; uint32_t u; } v = { f };
+    if ((v.u & 0x7f800000u) == 0x7f800000u) return (uint16_t)(v.u >> 16) | ((v.u & 0xffff) ? 0x40 : 0);
+    v.u += 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)(v.u >> 16);
+}
+static inline float from_bf16(uint16_t h) { union { uint32_t u; float f; } v = { (uint32_t)h << 16 }; return v.f; }
+
+/* N rows of x against one weight row at a time (N a literal constant in each instance: fixed-size
+   arrays, loops of constant bounds, so the loops unroll and the sums stay in registers). Two sums
+   per row (even and odd blocks of 32 inputs: two independent chains hide the instruction's
+   latency), added at the end: the same order for every N. Several weight rows per pass measured
+   slower (1.2-2.6x at 1-4 rows). */
+#define ROWS(N)                                                                                      \
+static void rows##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int in, \
+                    int out, int o0, int o1) {                                                      \
+    int tail = in % 32, body = in - tail;                                                          \
+    __mmask32 m = (__mmask32)((1ull << tail) - 1);                                                  \
+    for (int o = o0; o < o1; o++) {                                                                \
+        const uint16_t *wr = w + (int64_t)o * in;                                                  \
+        __m512 a0[N], a1[N];                                                                       \
+        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                      \
+            a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps();                              \
+        }                                                                                          \
+        int i = 0;                                                                                 \
+        for (; i + 64 <= body; i += 64) {                                                          \
+            __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + i);                                   \
+            __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + i + 32);                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                  \
+                a0[r] = _mm512_dpbf16_ps(a0[r], w0, (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i)); \
+                a1[r] = _mm512_dpbf16_ps(a1[r], w1, (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i + 32)); \
+            }                                                                                      \
+        }                                                                                          \
+        if (i < body) { /* one more full block of 32 */                                           \
+            __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + i);                                   \
+            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++)                                    \
+                a0[r] = _mm512_dpbf16_ps(a0[r], w0, (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i)); \
+            i += 32;                                                                               \
+        }                                                                                          \
+        if (tail) { /* the last in % 32 inputs: masked loads, zeros elsewhere */                   \
+            __m512bh w1 = (__m512bh)_mm512_maskz_loadu_epi16(m, wr + i);                          \
+            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++)                                    \
+                a1[r] = _mm512_dpbf16_ps(a1[r], w1, (__m512bh)_mm512_maskz_loadu_epi16(m, x + (int64_t)r * in + i)); \
+        }                                                                                          \
+        float bv = bias ? from_bf16(bias[o]) : 0.0f;                                               \
+        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++)                                        \
+            y[(int64_t)r * out + o] = to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r])) + bv); \
+    }                                                                                              \
+}
+ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+
+typedef void (*rows_fn)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int, int, int, int);
+static const rows_fn ROWS_FN[9] = {0, rows1, rows2, rows3, rows4, rows5, rows6, rows7, rows8};
+
+/* outputs in chunks of 32 per thread task; within a chunk every 8 rows of x in turn */
+void sf_gemv_dpbf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int n, int in, int out) {
+    _Pragma("omp parallel for schedule(static)")
+    for (int c = 0; c < (out + 31) / 32; c++) {
+        int o0 = c * 32, o1 = o0 + 32 < out ? o0 + 32 : out;
+        for (int r0 = 0; r0 < n; r0 += 8) {
+            int k = n - r0 < 8 ? n - r0 : 8;
+            ROWS_FN[k](x + (int64_t)r0 * in, w, bias, y + (int64_t)r0 * out, in, out, o0, o1);
+        }
+    }
+}
+"""
+
+#: CPU flags and compiler flags of the AVX-512 BF16 kernel (:func:`.native.build`)
+_BF16_ISA = ({"avx512f", "avx512bw", "avx512_bf16"}, ("-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx512vl"))
+
+
+@functools.lru_cache(maxsize=1)
+def _load_bf16() -> tuple[ctypes.CDLL | None, str | None]:
+    p, i = ctypes.c_void_p, ctypes.c_int
+    return build("sfgemvbf16", _SOURCE_BF16, {"sf_gemv_dpbf16": [p, p, p, p, i, i, i]}, isa=_BF16_ISA)
+
+
+def bf16_unavailable_reason() -> str | None:
+    """None when the AVX-512 BF16 kernel can run here, else why not."""
+    return _load_bf16()[1]
+
+
+def bf16_available() -> bool:
+    return _load_bf16()[0] is not None
+
+
+def bf16_supports(w: torch.Tensor) -> bool:
+    """Whether :func:`gemv_bf16` takes weight ``w`` (a contiguous CPU bf16 matrix, an even number of inputs)."""
+    return w.device.type == "cpu" and w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_contiguous() \
+        and w.shape[1] % 2 == 0
+
+
+def gemv_bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, b)`` for bf16 ``x`` ``[..., in]`` and bf16 ``w`` with the AVX-512 BF16 kernel:
+    fp32 sums (bias added before the one rounding to bf16), any row count (8 at a time over each
+    block of weight rows, read from memory once)."""
+    lib = _load_bf16()[0]
+    if lib is None:
+        raise RuntimeError(f"the avx512bf16 kernel is unavailable: {bf16_unavailable_reason()}")
+    if not bf16_supports(w) or x.dtype != torch.bfloat16:
+        raise ValueError(f"the avx512bf16 kernel takes bf16 inputs and contiguous CPU bf16 weights with an even "
+                         f"number of inputs, got x {x.dtype}, w {w.dtype} {tuple(w.shape)}")
+    out_f, in_f = w.shape
+    x2 = x.reshape(-1, in_f).contiguous()
+    n = x2.shape[0]
+    y = torch.empty(n, out_f, dtype=torch.bfloat16)
+    if n:
+        bias = None if b is None else b.to(torch.bfloat16).contiguous()
+        lib.sf_gemv_dpbf16(x2.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                           n, in_f, out_f)
+    return y.view(*x.shape[:-1], out_f)
 
 
 @functools.lru_cache(maxsize=1)

@@ -163,6 +163,13 @@ def _gemv_t(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None = None) ->
     return y if b is None else y + b
 
 
+def _avx512bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    # bf16 products only; a head kept in another dtype that reuses the target's choice gets ATen's
+    if x.dtype == w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0:
+        return cpu_gemv.gemv_bf16(x, w, b)
+    return F.linear(x, w, b)
+
+
 # name -> (prepare a weight [out, in] once, apply(x, prepared, bias)); "aten" keeps the HF tensor
 KERNELS = {
     "aten": (lambda w: w, F.linear),
@@ -170,17 +177,22 @@ KERNELS = {
     "onednn": (_onednn_pack, _onednn),  # oneDNN's packed (blocked) weight layout
     # AVX2 few-row products (runtime/cpu_gemv.py): up to cpu_gemv.MAX_ROWS rows, the HF tensor itself
     "avx2": (lambda w: w.contiguous(), cpu_gemv.gemv),
+    # AVX-512 BF16 few-row products (runtime/cpu_gemv.py gemv_bf16): bf16 weights only
+    "avx512bf16": (lambda w: w.contiguous(), _avx512bf16),
 }
+
+#: kernels made for a few rows: more than cpu_gemv.MAX_ROWS go to the many-row kernel (kernel_for)
+FEW_ROW = ("avx2", "avx512bf16")
 
 
 def kernel_for(kernels: tuple[str, ...], rows: int) -> str:
     """The kernel of ``kernels`` (one-row, several-row[, many-row]) for a product of ``rows`` rows: the
-    several-row kernel, except that ``avx2`` (a few-row kernel) hands more than ``cpu_gemv.MAX_ROWS``
+    several-row kernel, except that a few-row kernel (:data:`FEW_ROW`) hands more than ``cpu_gemv.MAX_ROWS``
     rows (prefill, batched generation, large trees) to the many-row kernel: the third entry (the
     engine's choice at 32 rows), else oneDNN where that is prepared, else ATen."""
     if rows == 1:
         return kernels[0]
-    if kernels[1] != "avx2" or rows <= cpu_gemv.MAX_ROWS:
+    if kernels[1] not in FEW_ROW or rows <= cpu_gemv.MAX_ROWS:
         return kernels[1]
     if len(kernels) > 2:
         return kernels[2]
@@ -328,7 +340,8 @@ class LlamaEngine:
     @torch.inference_mode()
     def _choose_kernels(self, reps: int = 3) -> tuple[str, ...]:
         """The fastest kernel for one-row (plain steps) and for 4-row products (verification), and
-        when that is the few-row ``avx2`` kernel, the fastest at 32 rows for more rows than it takes.
+        when that is a few-row kernel (``avx2``, ``avx512bf16``), the fastest at 32 rows for more rows
+        than it takes.
 
         Measured once on the LM head and the first layer's matrices (best of ``reps``). On the
         CPUs measured here (AMD EPYC, MKL + oneDNN in the torch wheel) oneDNN's packed weights run
@@ -342,6 +355,8 @@ class LlamaEngine:
         candidates = {"aten": mats, "gemv_t": [KERNELS["gemv_t"][0](m) for m in mats]}
         if cpu_gemv.available() and all(cpu_gemv.supports(m) for m in mats):
             candidates["avx2"] = mats
+        if cpu_gemv.bf16_available() and all(cpu_gemv.bf16_supports(m) for m in mats):
+            candidates["avx512bf16"] = mats
         try:
             candidates["onednn"] = [_onednn_pack(m) for m in mats]
             _onednn(torch.zeros(1, mats[0].shape[1], dtype=self.dtype), candidates["onednn"][0])
@@ -356,9 +371,9 @@ class LlamaEngine:
         one = min(candidates, key=lambda k: cost(k, 1))
         costs = {k: cost(k, 4) for k in candidates if k != "gemv_t"}
         several = min(costs, key=costs.get)
-        if several != "avx2":
+        if several not in FEW_ROW:
             return (one, several)
-        # products of more rows than avx2 takes in one pass (prefill, batched generation, big trees):
+        # products of more rows than a few-row kernel takes in one pass (prefill, batched generation, big trees):
         # the fastest at 32 rows, avx2 included (it then runs them MAX_ROWS at a time; with ATen's
         # emulated bf16 as the alternative that was 4x faster here)
         return (one, several, min(costs, key=lambda k: cost(k, 32)))

@@ -1,4 +1,4 @@
-"""Building and loading the runtime's small C kernels (x86 AVX2+FMA, OpenMP).
+"""Building and loading the runtime's small C kernels (x86 AVX2+FMA or AVX-512 BF16, OpenMP).
 
 Scope: compile a kernel's C source once per machine with the system C compiler into
 ``~/.cache/specfoundry/kernels/<source hash>/`` and load it with ctypes; say why when that cannot
@@ -7,7 +7,9 @@ Also :func:`release_free_memory`, glibc's ``malloc_trim`` for long-running serve
 
 OpenMP: the kernels use the OpenMP runtime torch already loaded (same ``libgomp.so.1``), so
 ``torch.set_num_threads`` governs them too. No compiler, no AVX2/FMA, or a failed build: the
-kernel is unavailable and its caller keeps the library path (the reason is reported).
+kernel is unavailable and its caller keeps the library path (the reason is reported). A kernel
+for a wider instruction set names the CPU flags it needs and its compiler flags (``requires``,
+``isa``): on a CPU without them it is unavailable, never mis-built.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from pathlib import Path
 
 from .paths import cache_dir
 
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+#: the instruction set the kernels are built for unless they say otherwise: (CPU flags, compiler flags)
+AVX2 = ({"avx2", "fma"}, ("-mavx2", "-mfma"))
 
 #: the kernels' common C start: 8 bf16 (widened exactly: a shift) or fp32 values as one fp32 vector
 PRELUDE = r"""
@@ -56,21 +60,25 @@ def kernel_dir(source: str) -> Path:
     return cache_dir() / "kernels" / hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
-def build(name: str, source: str, functions: dict[str, list]) -> tuple[ctypes.CDLL | None, str | None]:
+def build(name: str, source: str, functions: dict[str, list],
+          isa: tuple[set[str], tuple[str, ...]] = AVX2) -> tuple[ctypes.CDLL | None, str | None]:
     """``lib<name>.so`` from ``source`` (built once, then loaded) with ``functions`` (C name ->
-    ctypes argument types, each returning void) declared; ``(library, None)`` or ``(None, why not)``."""
-    if not {"avx2", "fma"} <= cpu_flags():
-        return None, "the CPU lacks AVX2/FMA (or /proc/cpuinfo is unreadable)"
+    ctypes argument types, each returning void) declared; ``(library, None)`` or ``(None, why not)``.
+    ``isa``: the CPU flags the kernel needs and the compiler flags that enable them."""
+    needs, isa_flags = isa
+    missing = sorted(needs - cpu_flags())
+    if missing:
+        return None, f"the CPU lacks {'/'.join(missing)} (or /proc/cpuinfo is unreadable)"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None, "no C compiler (cc/gcc) on PATH"
-    out = kernel_dir(source) / f"lib{name}.so"
+    out = kernel_dir(source + " ".join(isa_flags)) / f"lib{name}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             src, lib = Path(tmp) / f"{name}.c", Path(tmp) / f"lib{name}.so"
             src.write_text(source)
-            run = subprocess.run([cc, *FLAGS, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True)
+            run = subprocess.run([cc, *FLAGS, *isa_flags, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True)
             if run.returncode != 0:
                 return None, f"building the {name} kernel failed: {run.stderr.strip()[:300]}"
             os.replace(lib, out)  # atomic: a concurrent builder's copy is as good as ours

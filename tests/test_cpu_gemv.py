@@ -87,3 +87,85 @@ def test_speculative_greedy_equals_plain_on_the_avx2_kernel(dtype):
             spec, plain = gen.generate(**kw), gen.generate(speculate=False, **kw)
             assert spec.token_ids == plain.token_ids, (source, opts)
             assert spec.stats.target_forwards <= plain.stats.target_forwards
+
+
+# -- the AVX-512 BF16 kernel (gemv_bf16); not run on CPUs without avx512_bf16 ---------------------------
+needs_bf16 = pytest.mark.skipif(not cpu_gemv.bf16_available(), reason=f"avx512bf16 kernel unavailable: "
+                                f"{cpu_gemv.bf16_unavailable_reason()}")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 20])
+@pytest.mark.parametrize("shape", [(72, 40), (130, 64), (33, 34), (7, 1536)])  # in % 32 != 0: the masked tail
+def test_gemv_bf16_equals_linear(rows, shape):
+    g = torch.Generator().manual_seed(rows)
+    out_f, in_f = shape
+    w = torch.randn(out_f, in_f, generator=g).bfloat16()
+    b = torch.randn(out_f, generator=g).bfloat16()
+    x = torch.randn(2, rows, in_f, generator=g).bfloat16()
+    ref = F.linear(x.double(), w.double(), b.double())
+    got = cpu_gemv.gemv_bf16(x, w, b)
+    assert got.shape == (2, rows, out_f) and got.dtype == torch.bfloat16
+    # exact products, fp32 sums, one rounding to bf16 (2^-8 relative)
+    assert (got.double() - ref).abs().max() <= 8e-3 * ref.abs().max()
+    assert torch.equal(cpu_gemv.gemv_bf16(x, w), cpu_gemv.gemv_bf16(x, w, torch.zeros_like(b)))
+
+
+@needs_bf16
+def test_gemv_bf16_gives_a_row_the_same_bits_alone_and_in_any_batch():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(130, 96, generator=g).bfloat16()
+    x = torch.randn(11, 96, generator=g).bfloat16()
+    alone = torch.cat([cpu_gemv.gemv_bf16(x[i:i + 1], w) for i in range(11)])
+    for n in (2, 3, 5, 8, 11):
+        assert torch.equal(cpu_gemv.gemv_bf16(x[:n], w), alone[:n])
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 if before > 1 else 2)
+    try:
+        assert torch.equal(cpu_gemv.gemv_bf16(x, w), alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_bf16
+def test_gemv_bf16_refuses_what_it_cannot_take():
+    with pytest.raises(ValueError, match="bf16 inputs"):
+        cpu_gemv.gemv_bf16(torch.randn(1, 16), torch.randn(4, 16).bfloat16())
+    with pytest.raises(ValueError, match="even"):
+        cpu_gemv.gemv_bf16(torch.randn(1, 15).bfloat16(), torch.randn(4, 15).bfloat16())
+
+
+@needs_bf16
+def test_engine_kernel_avx512bf16_leaves_other_dtypes_to_aten():
+    from specfoundry.runtime.engine import KERNELS, kernel_for
+
+    apply = KERNELS["avx512bf16"][1]
+    x, w = torch.randn(3, 16, dtype=torch.float64), torch.randn(5, 16, dtype=torch.float64)
+    assert torch.equal(apply(x, w), F.linear(x, w))  # e.g. a head kept in float32 reusing the target's choice
+    assert kernel_for(("avx512bf16", "avx512bf16", "onednn"), cpu_gemv.MAX_ROWS + 1) == "onednn"
+    assert kernel_for(("avx512bf16", "avx512bf16"), 3) == "avx512bf16"
+
+
+@needs_bf16
+def test_speculative_greedy_equals_plain_on_the_avx512bf16_kernel():
+    # bf16 target, the kernel forced for one-row and several-row products: every verified token's
+    # logits come from the same per-row sums as a plain step's, so greedy outputs match exactly
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specfoundry.runtime import SpeculativeGenerator, load_drafter
+    from specfoundry.runtime.engine import EngineTarget, LlamaEngine
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
+    target = EngineTarget(model)
+    target.engine = LlamaEngine(model, kernels=("avx512bf16", "avx512bf16", "avx512bf16"))
+    g = torch.Generator().manual_seed(3)
+    for source, opts in (("ngram", {}), ("eagle3", {"tree": "chain", "depth": 3})):
+        gen = SpeculativeGenerator(target, load_drafter(source, target=target, **opts), adaptive=False)
+        for _ in range(3):
+            base = torch.randint(0, 96, (6,), generator=g).tolist()
+            kw = dict(prompt_ids=base * 3, max_new_tokens=24, stop_at_eos=False)
+            spec, plain = gen.generate(**kw), gen.generate(speculate=False, **kw)
+            assert spec.token_ids == plain.token_ids, (source, opts)
