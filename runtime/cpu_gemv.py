@@ -110,6 +110,8 @@ static void rows##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
         for (; i + 64 <= body; i += 64) {                                                          \
             __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + i);                                   \
             __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + i + 32);                              \
+            /* kept in registers: without this GCC reloads the weights once per row of x */          \
+            __asm__("" : "+v"(w0), "+v"(w1));                                                      \
             _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                  \
                 a0[r] = _mm512_dpbf16_ps(a0[r], w0, (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i)); \
                 a1[r] = _mm512_dpbf16_ps(a1[r], w1, (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i + 32)); \
@@ -117,6 +119,7 @@ static void rows##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
         }                                                                                          \
         if (i < body) { /* one more full block of 32 */                                           \
             __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + i);                                   \
+            __asm__("" : "+v"(w0));                                                                \
             _Pragma("GCC unroll 8") for (int r = 0; r < N; r++)                                    \
                 a0[r] = _mm512_dpbf16_ps(a0[r], w0, (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i)); \
             i += 32;                                                                               \

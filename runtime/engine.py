@@ -181,6 +181,9 @@ KERNELS = {
     "avx512bf16": (lambda w: w.contiguous(), _avx512bf16),
 }
 
+#: bytes of weights the kernel choice streams per measured call (LlamaEngine._choose_kernels)
+MEASURE_BYTES = 128 << 20
+
 #: kernels made for a few rows: more than cpu_gemv.MAX_ROWS go to the many-row kernel (kernel_for)
 FEW_ROW = ("avx2", "avx512bf16")
 
@@ -338,12 +341,13 @@ class LlamaEngine:
         return self.layers + [self.head]
 
     @torch.inference_mode()
-    def _choose_kernels(self, reps: int = 3) -> tuple[str, ...]:
-        """The fastest kernel for one-row (plain steps) and for 4-row products (verification), and
+    def _choose_kernels(self) -> tuple[str, ...]:
+        """The fastest kernel for one-row (plain steps) and for 2-8-row products (verification), and
         when that is a few-row kernel (``avx2``, ``avx512bf16``), the fastest at 32 rows for more rows
         than it takes.
 
-        Measured once on the LM head and the first layer's matrices (best of ``reps``). On the
+        Measured once on the LM head and the layers' matrices up to :data:`MEASURE_BYTES` (best of two
+        rounds over the candidates; several rows at 2, 4 and 8 rows, summed). On the
         CPUs measured here (AMD EPYC, MKL + oneDNN in the torch wheel) oneDNN's packed weights run
         4-16 rows 1.5-2x faster than ``F.linear`` and bf16 one-row products 1.4x faster;
         fp32 one-row products are fastest against transposed weights (see docs/results.md).
@@ -351,7 +355,14 @@ class LlamaEngine:
         """
         if self.device.type != "cpu":
             return ("aten", "aten")
-        mats = [self.lm_head] + [self.layers[0][k] for k in _MATRICES if k in self.layers[0]]
+        # the LM head and layers' matrices up to MEASURE_BYTES: weights streamed from memory, as in a
+        # decode step (on the head and one layer alone, the layer's matrices stayed in cache and a
+        # kernel faster on cached weights won where it was 1.2x slower in decoding)
+        mats = [self.lm_head]
+        for layer in self.layers:
+            if mats and sum(m.numel() * m.element_size() for m in mats) >= MEASURE_BYTES and len(mats) > 1:
+                break
+            mats += [layer[k] for k in _MATRICES if k in layer]
         candidates = {"aten": mats, "gemv_t": [KERNELS["gemv_t"][0](m) for m in mats]}
         if cpu_gemv.available() and all(cpu_gemv.supports(m) for m in mats):
             candidates["avx2"] = mats
@@ -366,17 +377,32 @@ class LlamaEngine:
         def cost(name: str, rows: int) -> float:
             apply = KERNELS[name][1]
             xs = [torch.randn(rows, m.shape[1], dtype=self.dtype) for m in mats]
-            return best_seconds(lambda: [apply(x, p) for x, p in zip(xs, candidates[name])], reps)
+            return best_seconds(lambda: [apply(x, p) for x, p in zip(xs, candidates[name])], 1, warm=False)
 
-        one = min(candidates, key=lambda k: cost(k, 1))
-        costs = {k: cost(k, 4) for k in candidates if k != "gemv_t"}
-        several = min(costs, key=costs.get)
+        def best_of(names: list[str], sizes: tuple[int, ...]) -> tuple[str, dict]:
+            # two rounds over the candidates in turn (a machine that slows mid-measurement slows them
+            # all; the first round also pays any lazy set-up), each one's best per size, summed over the
+            # sizes; after the first round only those within 2x of the best go on
+            best = {(k, r): float("inf") for k in names for r in sizes}
+            for _ in range(2):
+                for k in names:
+                    for r in sizes:
+                        best[(k, r)] = min(best[(k, r)], cost(k, r))
+                total = {k: sum(best[(k, r)] for r in sizes) for k in names}
+                names = [k for k in names if total[k] <= 2 * min(total.values())]
+            return min(names, key=total.get), {k: total[k] for k in names}
+
+        one, _ = best_of(list(candidates), (1,))
+        # verification sizes: chains of 1-3, small trees and lookup chains (4-8 nodes); at one size
+        # alone two kernels within a few percent swapped places between runs (a mis-pick cost 1.3x at
+        # 3 rows on an EPYC with avx512_bf16)
+        several, costs = best_of([k for k in candidates if k != "gemv_t"], (2, 4, 8))
         if several not in FEW_ROW:
             return (one, several)
         # products of more rows than a few-row kernel takes in one pass (prefill, batched generation, big trees):
         # the fastest at 32 rows, avx2 included (it then runs them MAX_ROWS at a time; with ATen's
         # emulated bf16 as the alternative that was 4x faster here)
-        return (one, several, min(costs, key=lambda k: cost(k, 32)))
+        return (one, several, best_of(list(costs), (32,))[0])
 
     def new_cache(self, batch: int = 1, capacity: int = 1024) -> StaticKVCache:
         return StaticKVCache(self.num_layers, self.hkv, self.head_dim, batch=batch, capacity=capacity,
