@@ -343,8 +343,8 @@ class LlamaEngine:
     @torch.inference_mode()
     def _choose_kernels(self) -> tuple[str, ...]:
         """The fastest kernel for one-row (plain steps) and for 2-8-row products (verification), and
-        when that is a few-row kernel (``avx2``, ``avx512bf16``), the fastest at 32 rows for more rows
-        than it takes.
+        when that is a few-row kernel (``avx2``, ``avx512bf16``), the fastest at 32 and 128 rows for
+        more rows than it takes.
 
         Measured once on the LM head and the layers' matrices up to :data:`MEASURE_BYTES` (best of two
         rounds over the candidates; several rows at 2, 4 and 8 rows, summed). On the
@@ -400,9 +400,13 @@ class LlamaEngine:
         if several not in FEW_ROW:
             return (one, several)
         # products of more rows than a few-row kernel takes in one pass (prefill, batched generation, big trees):
-        # the fastest at 32 rows, avx2 included (it then runs them MAX_ROWS at a time; with ATen's
-        # emulated bf16 as the alternative that was 4x faster here)
-        return (one, several, best_of(list(costs), (32,))[0])
+        # the fastest at 32 and 128 rows (batched serving steps, prefill chunks), the few-row kernel
+        # included (it then runs them MAX_ROWS at a time; with ATen's emulated bf16 as the alternative
+        # avx2 was 4x faster here); at 32 rows alone avx512bf16 and oneDNN were within the noise of two
+        # rounds, and the mis-pick cost 1.3-1.7x on prefill
+        # (oneDNN always among them: it can fall out of the few-row round, within 2x of it at 2-8 rows)
+        bulk = [k for k in candidates if k in costs or k == "onednn"]
+        return (one, several, best_of(bulk, (32, 128))[0])
 
     def new_cache(self, batch: int = 1, capacity: int = 1024) -> StaticKVCache:
         return StaticKVCache(self.num_layers, self.hkv, self.head_dim, batch=batch, capacity=capacity,
