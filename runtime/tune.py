@@ -26,14 +26,25 @@ from tqdm import tqdm
 
 from .adaptive import RUNTIME_SHAPE_CANDIDATES, parse_shape_candidate, tree_options
 
-__all__ = ["DEFAULT_CANDIDATES", "measure_runtime_shape", "shape_label"]
+__all__ = ["DEFAULT_CANDIDATES", "fastest_candidate", "measure_runtime_shape", "shape_label"]
 
 DEFAULT_CANDIDATES = RUNTIME_SHAPE_CANDIDATES
 
 
+def fastest_candidate(shape: dict) -> str:
+    """The candidate the measurement found fastest (the stored shape's, unless none beat plain)."""
+    speedups = shape["speedups"]
+    return max(speedups, key=speedups.get)
+
+
 def shape_label(shape: dict) -> str:
-    """The candidate a measured shape came from: ``"adaptive"``, ``"chain@K"`` or ``"tree@K/N"``."""
+    """The candidate a measured shape came from: ``"adaptive"``, ``"chain@K"`` or ``"tree@K/N"``;
+    ``"adaptive (up to chain@K)"`` for the fastest fixed shape stored under the controller because
+    no candidate beat plain decoding."""
     if shape["adaptive"]:
+        speedups = shape.get("speedups") or {}
+        if speedups and max(speedups.values()) < 1.0 and fastest_candidate(shape) != "adaptive":
+            return f"adaptive (up to {fastest_candidate(shape)})"
         return "adaptive"
     if shape.get("tree") == "dynamic":
         return f"tree@{shape['depth']}/{shape['total_tokens']}"
@@ -98,7 +109,13 @@ def measure_runtime_shape(target, speculator, prompts: list[str], candidates=DEF
             ratios[c].append(per_token / (s.seconds / max(s.new_tokens, 1)))
     speedups = {c: statistics.median(r) for c, r in ratios.items()}
     best = max(candidates, key=lambda c: speedups[c])  # ties: the first listed
-    return {**gens[best][1], "speedups": {c: round(v, 4) for c, v in speedups.items()},
+    shape = gens[best][1]
+    if speedups[best] < 1.0 and not shape["adaptive"]:
+        # no candidate beat plain decoding here: a fixed shape would make every request slower, so the
+        # fastest one becomes the largest shape of the adaptive controller, which steps plainly where
+        # drafting does not pay (a speculator that slows decoding is a defect, whatever its tau)
+        shape = {**shape, "adaptive": True}
+    return {**shape, "speedups": {c: round(v, 4) for c, v in speedups.items()},
             "prompts": len(ratios[best]), "max_new_tokens": max_new_tokens, "prompt_lookup": prompt_lookup,
             "threads": torch.get_num_threads(), "dtype": str(target.dtype).removeprefix("torch."),
             "device": str(target.device)}

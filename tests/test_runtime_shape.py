@@ -170,3 +170,22 @@ def test_recipe_default_candidates_are_the_runtimes():
     assert [parse_shape_candidate(c)[0] for c in RUNTIME_SHAPE_CANDIDATES] == ["adaptive", "chain", "chain", "tree",
                                                                                 "tree", "tree"]
 
+
+
+def test_no_shape_beating_plain_is_stored_under_the_controller(monkeypatch, checkpoint, tiny):
+    # every candidate slower than plain (a fast CPU, a weak head): a fixed shape would slow every
+    # request, so the fastest becomes the controller's largest shape (it steps plainly where drafting
+    # does not pay); one candidate at >= 1.0x keeps its fixed shape
+    target, _ = tiny
+    import specfoundry.runtime.generator as generator_mod
+
+    monkeypatch.setattr(generator_mod, "SpeculativeGenerator", lambda target: _Timed(1.0))
+    for secs, adaptive in (({"adaptive": 1.3, "chain@2": 1.05, "chain@3": 1.2}, True),
+                           ({"adaptive": 1.3, "chain@2": 0.95, "chain@3": 1.2}, False)):
+        fakes = {c: _Timed(s) for c, s in secs.items()}
+        monkeypatch.setattr(tune, "_generator", lambda t, spec, c, lookup, fakes=fakes: (
+            fakes[c], {"tree": "chain", "depth": int(c[-1]), "adaptive": False} if c != "adaptive" else {"adaptive": True}))
+        shape = tune.measure_runtime_shape(target, checkpoint, ["a", "b"], list(secs), progress=False)
+        assert shape["depth"] == 2 and shape["adaptive"] is adaptive and runtime_shape_problems(shape) == []
+        assert tune.shape_label(shape) == ("adaptive (up to chain@2)" if adaptive else "chain@2")
+        assert tune.fastest_candidate(shape) == "chain@2"
