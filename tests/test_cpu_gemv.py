@@ -169,3 +169,14 @@ def test_speculative_greedy_equals_plain_on_the_avx512bf16_kernel():
             kw = dict(prompt_ids=base * 3, max_new_tokens=24, stop_at_eos=False)
             spec, plain = gen.generate(**kw), gen.generate(speculate=False, **kw)
             assert spec.token_ids == plain.token_ids, (source, opts)
+
+
+def test_cost_curve_measures_where_the_few_row_kernels_hand_over():
+    # products of MAX_ROWS + 1 rows go to the many-row kernel, a jump the policy must see (an
+    # interpolation between 8 and 16 priced such steps too cheap)
+    import inspect
+
+    from specfoundry.runtime.engine import EngineTarget
+
+    sizes = inspect.signature(EngineTarget.cost_curve).parameters["sizes"].default
+    assert {cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1} <= set(sizes)
