@@ -1,5 +1,6 @@
-"""Decode attention for the serving batch on x86 CPUs (AVX2+FMA): every row over its own columns,
-with its own number of new tokens, in one call and without padding.
+"""Decode attention on x86 CPUs: for the serving batch (AVX2+FMA, :func:`slot_attention`: every row
+over its own columns, with its own number of new tokens, in one call and without padding), and for
+one sequence's decode and verification steps (AVX-512 BF16, :func:`decode_attention`).
 
 Why: a serving step attends ``B`` rows of unequal committed length, each with a few new tokens (1
 for plain decoding, a draft's nodes otherwise). PyTorch's CPU SDPA treats each call as a blocked
@@ -29,7 +30,7 @@ import functools
 
 import torch
 
-from .native import PRELUDE, build
+from .native import AVX512_BF16, PRELUDE, build
 
 _SOURCE = PRELUDE + r"""
 #include <math.h>
@@ -173,6 +174,111 @@ ATTN(sf_attn_bf16, uint16_t, ld_bf16)
 ATTN(sf_attn_f32, float, ld_f32)
 """
 
+# one sequence's decode/verification attention with AVX-512 BF16 (decode_attention): scores by
+# vdpbf16ps (2 per column for D = 64) into 16 partial sums per column, the 16 columns of a block
+# reduced together by one transposed sum; fp32 softmax; P V in fp32 against V widened exactly
+_SOURCE_DECODE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <math.h>
+#include <stdlib.h>
+static inline __m512 exp512(__m512 x) {  /* x <= 0 */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+static inline __m512 wid(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+/* one sequence (a batch-1 cache): q fp32 [n][hq][D]; K,V bf16 [hkv][cap][D] (row stride s_head elements); columns 0..L-1 all
+   visible, L..L+n-1 by block[t][j] (uint8, NULL = causal); out fp32 [n][hq][D]. D % 16 == 0, D <= 256. */
+void sf_attn1(const float *q, const uint16_t *K, const uint16_t *V, int64_t s_head, int L, int n,
+              const uint8_t *block, int hq, int hkv, int D, float scale, float *out) {
+    int g = hq / hkv, W = L + n, WP = (W + 15) / 16 * 16;
+    _Pragma("omp parallel for schedule(static)")
+    for (int hh = 0; hh < hq; hh++) {
+        int h = hh / g;
+        const uint16_t *Kh = K + h * s_head, *Vh = V + h * s_head;
+        float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)n * WP);
+        /* scores: per query row, 16 columns at a time: 2 bf16 dot products per column into 16 partial
+           sums each, then one transposed reduction of the 16 vectors into the 16 scores */
+        for (int t = 0; t < n; t++) {
+            const float *qr = q + ((int64_t)t * hq + hh) * D;
+            __m512bh qb[8];
+            for (int k = 0; k < D / 32; k++)
+                qb[k] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr + 32 * k + 16), _mm512_loadu_ps(qr + 32 * k));
+            float *sp = sc + (int64_t)t * WP;
+            for (int c0 = 0; c0 < W; c0 += 16) {
+                int nc = W - c0 < 16 ? W - c0 : 16;
+                __m512 v[16];
+                for (int j = 0; j < 16; j++) {
+                    const uint16_t *kr = Kh + (int64_t)(c0 + (j < nc ? j : 0)) * D;
+                    __m512 a = _mm512_setzero_ps();
+                    for (int k = 0; k < D / 32; k++)
+                        a = _mm512_dpbf16_ps(a, qb[k], (__m512bh)_mm512_loadu_si512(kr + 32 * k));
+                    v[j] = a;
+                }
+                __m512 t8[8], u[4];
+                for (int j = 0; j < 8; j++)
+                    t8[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+                for (int j = 0; j < 4; j++)
+                    u[j] = _mm512_add_ps(_mm512_shuffle_ps(t8[2 * j], t8[2 * j + 1], 0x44), _mm512_shuffle_ps(t8[2 * j], t8[2 * j + 1], 0xEE));
+                __m512 p0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+                __m512 p1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+                __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(p0, p1, 0x88), _mm512_shuffle_f32x4(p0, p1, 0xDD));
+                _mm512_store_ps(sp + c0, _mm512_mul_ps(s, _mm512_set1_ps(scale)));
+                if (c0 + 16 > L)
+                    for (int j = 0; j < 16; j++) {
+                        int col = c0 + j;
+                        if (col >= W || (col >= L && !(block ? block[t * n + (col - L)] : (col - L) <= t))) sp[c0 + j] = -INFINITY;
+                    }
+            }
+        }
+        /* softmax per row, then P V (V widened 16 dims at a time) */
+        for (int t = 0; t < n; t++) {
+            float *sp = sc + (int64_t)t * WP;
+            __m512 m = _mm512_set1_ps(-INFINITY);
+            for (int j = 0; j < WP; j += 16) m = _mm512_max_ps(m, _mm512_load_ps(sp + j));
+            float mx = _mm512_reduce_max_ps(m);
+            __m512 mv = _mm512_set1_ps(mx), tot = _mm512_setzero_ps(), ninf = _mm512_set1_ps(-INFINITY);
+            for (int j = 0; j < WP; j += 16) {
+                __m512 x = _mm512_load_ps(sp + j);
+                __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+                __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, mv)));
+                _mm512_store_ps(sp + j, e);
+                tot = _mm512_add_ps(tot, e);
+            }
+            float inv = 1.0f / _mm512_reduce_add_ps(tot);
+            float *o = out + ((int64_t)t * hq + hh) * D;
+            __m512 acc[16];
+            for (int k = 0; k < D / 16; k++) acc[k] = _mm512_setzero_ps();
+            for (int col = 0; col < W; col++) {
+                float p = sp[col];
+                if (p == 0.0f) continue;
+                __m512 pv = _mm512_set1_ps(p);
+                const uint16_t *vr = Vh + (int64_t)col * D;
+                for (int k = 0; k < D / 16; k++)
+                    acc[k] = _mm512_fmadd_ps(pv, wid(_mm256_loadu_si256((const __m256i *)(vr + 16 * k))), acc[k]);
+            }
+            __m512 iv = _mm512_set1_ps(inv);
+            for (int k = 0; k < D / 16; k++) _mm512_storeu_ps(o + 16 * k, _mm512_mul_ps(acc[k], iv));
+        }
+        free(sc);
+    }
+}
+"""
+
+#: most new tokens per sequence :func:`decode_attention` takes (decode steps, drafts, small trees;
+#: prefill keeps SDPA's blocked kernel)
+DECODE_MAX_TOKENS = 16
+
 MAX_HEAD_DIM = 256
 MAX_QUERY_ROWS = 8 * 64  # g * tokens of one row: the kernel's per-(row, head) buffers (inv, vmax)
 
@@ -182,6 +288,44 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     args = [p, p, p, i64, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, p]
     return build("sfattn", _SOURCE, {"sf_attn_bf16": args, "sf_attn_f32": args})
+
+
+@functools.lru_cache(maxsize=1)
+def _load_decode() -> tuple[ctypes.CDLL | None, str | None]:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    return build("sfattn1", _SOURCE_DECODE, {"sf_attn1": [p, p, p, i64, i32, i32, p, i32, i32, i32, ctypes.c_float, p]},
+                 isa=AVX512_BF16)
+
+
+def decode_supports(layer_kv: torch.Tensor, batch: int, n: int) -> bool:
+    """Whether :func:`decode_attention` runs a step of ``n`` new tokens on this ``[2, B, hkv,
+    capacity, D]`` cache layer: one sequence, bf16 on CPU, D a multiple of 32 (<= 256), at most
+    :data:`DECODE_MAX_TOKENS` tokens, and the kernel built here."""
+    D = layer_kv.shape[-1]
+    return (batch == 1 and 1 <= n <= DECODE_MAX_TOKENS and layer_kv.device.type == "cpu"
+            and layer_kv.dtype == torch.bfloat16 and D % 32 == 0 and D <= MAX_HEAD_DIM
+            and layer_kv.stride(-1) == 1 and layer_kv.stride(-2) == D and _load_decode()[0] is not None)
+
+
+def decode_attention(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
+                     block: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """:func:`..kvcache.attend` for one sequence on a bf16 cache (:func:`decode_supports`): writes
+    ``k``/``v`` ``[1, n, hkv, D]`` at ``past``, attends ``q`` ``[1, n, hq, D]`` over the first
+    ``past`` columns and, among the new ones, what ``block`` ``[1, n, n]`` allows (None: causal).
+    Each query row is computed alone (its own scores, softmax and sum; masked columns weigh exactly
+    0), so a chain's token gets the same bits as when it is decoded alone after the commit (tested);
+    equal to SDPA within bf16 rounding, measured closer to float64 than SDPA's."""
+    lib = _load_decode()[0]
+    n, hq, D = q.shape[1], q.shape[2], q.shape[3]
+    layer_kv[0, 0, :, past: past + n].copy_(k[0].transpose(0, 1))
+    layer_kv[1, 0, :, past: past + n].copy_(v[0].transpose(0, 1))
+    qf = q[0].to(torch.float32).contiguous()
+    out = torch.empty(n, hq, D, dtype=torch.float32)
+    b8 = None if block is None or n == 1 else block.reshape(n, n).to(torch.uint8).contiguous()
+    keys, values = layer_kv[0, 0], layer_kv[1, 0]
+    lib.sf_attn1(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), past, n,
+                 None if b8 is None else b8.data_ptr(), hq, keys.shape[0], D, float(scale), out.data_ptr())
+    return out.view(1, n, hq * D).to(layer_kv.dtype)
 
 
 def unavailable_reason() -> str | None:

@@ -37,7 +37,7 @@ import functools
 
 import torch
 
-from .native import PRELUDE, build
+from .native import AVX512_BF16, PRELUDE, build
 
 __all__ = ["MAX_ROWS", "available", "bf16_available", "bf16_unavailable_reason", "gemv", "gemv_bf16",
            "unavailable_reason"]
@@ -152,14 +152,10 @@ void sf_gemv_dpbf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
 }
 """
 
-#: CPU flags and compiler flags of the AVX-512 BF16 kernel (:func:`.native.build`)
-_BF16_ISA = ({"avx512f", "avx512bw", "avx512_bf16"}, ("-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx512vl"))
-
-
 @functools.lru_cache(maxsize=1)
 def _load_bf16() -> tuple[ctypes.CDLL | None, str | None]:
     p, i = ctypes.c_void_p, ctypes.c_int
-    return build("sfgemvbf16", _SOURCE_BF16, {"sf_gemv_dpbf16": [p, p, p, p, i, i, i]}, isa=_BF16_ISA)
+    return build("sfgemvbf16", _SOURCE_BF16, {"sf_gemv_dpbf16": [p, p, p, p, i, i, i]}, isa=AVX512_BF16)
 
 
 def bf16_unavailable_reason() -> str | None:

@@ -29,6 +29,9 @@ from .paths import cache_dir
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 #: the instruction set the kernels are built for unless they say otherwise: (CPU flags, compiler flags)
 AVX2 = ({"avx2", "fma"}, ("-mavx2", "-mfma"))
+#: AVX-512 with the BF16 dot product (vdpbf16ps): AMD Zen 4+, Intel Cooper Lake / Sapphire Rapids+
+AVX512_BF16 = ({"avx512f", "avx512bw", "avx512_bf16"}, ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                                                        "-mavx512bf16"))
 
 #: the kernels' common C start: 8 bf16 (widened exactly: a shift) or fp32 values as one fp32 vector
 PRELUDE = r"""

@@ -1,0 +1,110 @@
+"""One sequence's AVX-512 BF16 decode/verification attention (runtime/cpu_attention.py
+decode_attention): equal to float64 attention within bf16 rounding for random trees, closer than
+SDPA; a chain token's output the same bits as when decoded alone after the commit; the engine's
+forward takes it for a bf16 batch-1 step and its logits stay those of the SDPA path. Not run on
+CPUs without avx512_bf16 (the engine keeps SDPA there)."""
+
+import pytest
+import torch
+
+from specfoundry.runtime import cpu_attention
+from specfoundry.runtime.kvcache import attend
+from specfoundry.runtime.tree import ancestor_matrix
+
+pytestmark = pytest.mark.skipif(cpu_attention._load_decode()[0] is None,
+                                reason=f"decode attention kernel unavailable: {cpu_attention._load_decode()[1]}")
+
+
+def _tree(n, g):
+    return torch.tensor([[-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]])
+
+
+def _reference(layer, q, past, block, scale):
+    n, hq, D = q.shape[1:]
+    g = hq // layer.shape[2]
+    K = layer[0, 0, :, : past + n].double().repeat_interleave(g, 0)
+    V = layer[1, 0, :, : past + n].double().repeat_interleave(g, 0)
+    allow = torch.ones(n, past + n, dtype=torch.bool)
+    allow[:, past:] = block[0] if block is not None else torch.ones(n, n, dtype=torch.bool).tril()
+    s = torch.einsum("nhd,hcd->hnc", q[0].double(), K) * scale
+    p = torch.softmax(s.masked_fill(~allow, float("-inf")), -1)
+    return torch.einsum("hnc,hcd->nhd", p, V).reshape(1, n, hq * D)
+
+
+@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("n,past", [(1, 0), (1, 37), (3, 16), (8, 100), (16, 7)])
+def test_decode_attention_equals_float64_and_is_closer_than_sdpa(D, n, past):
+    g = torch.Generator().manual_seed(n * 1000 + past + D)
+    hq, hkv = 6, 2
+    layer = torch.randn(2, 1, hkv, past + n + 5, D, generator=g).bfloat16()
+    q = torch.randn(1, n, hq, D, generator=g).bfloat16()
+    k, v = torch.randn(2, 1, n, hkv, D, generator=g).bfloat16()
+    block = ancestor_matrix(_tree(n, g)) if n > 1 else None
+    assert cpu_attention.decode_supports(layer, 1, n)
+    sdpa_layer = layer.clone()
+    got = cpu_attention.decode_attention(layer, q, k, v, past, block, D ** -0.5)
+    ref = _reference(layer, q, past, block, D ** -0.5)
+    from specfoundry.runtime.kvcache import MaskBuffer
+
+    with torch.inference_mode():  # (the engine's mask buffer is made and filled in inference mode)
+        masks = MaskBuffer(hq // hkv, torch.device("cpu"))
+        sdpa = attend(sdpa_layer, q, k, v, past, masks.get(block, 1, n, past), D ** -0.5)
+    assert torch.equal(layer, sdpa_layer)  # the new K/V written in the same places
+    err, sdpa_err = (got.double() - ref).abs().max(), (sdpa.double() - ref).abs().max()
+    assert got.shape == sdpa.shape and got.dtype == torch.bfloat16
+    assert err <= 8e-3 * ref.abs().max() and err <= sdpa_err + 4e-3 * ref.abs().max()
+
+
+def test_a_chain_tokens_output_is_the_same_bits_alone():
+    # a chain verified in one step, then each of its tokens decoded alone over the same columns:
+    # masked columns weigh exactly 0 and do not move the sums, so the outputs are equal bit for bit
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, D, past, n = 9, 3, 64, 50, 5
+    layer = torch.randn(2, 1, hkv, past + n + 3, D, generator=g).bfloat16()
+    q = torch.randn(1, n, hq, D, generator=g).bfloat16()
+    k, v = torch.randn(2, 1, n, hkv, D, generator=g).bfloat16()
+    chain = ancestor_matrix(torch.tensor([[-1, 0, 1, 2, 3]]))
+    together = cpu_attention.decode_attention(layer, q, k, v, past, chain, D ** -0.5)
+    for t in range(n):
+        alone = cpu_attention.decode_attention(layer, q[:, t: t + 1], k[:, t: t + 1], v[:, t: t + 1], past + t, None,
+                                               D ** -0.5)
+        assert torch.equal(alone[0, 0], together[0, t])
+
+
+def test_decode_support_is_refused_outside_its_scope():
+    ok = torch.zeros(2, 1, 3, 40, 64, dtype=torch.bfloat16)
+    assert cpu_attention.decode_supports(ok, 1, 1) and cpu_attention.decode_supports(ok, 1, cpu_attention.DECODE_MAX_TOKENS)
+    assert not cpu_attention.decode_supports(ok, 2, 1)  # batches: the slots' kernel / SDPA
+    assert not cpu_attention.decode_supports(ok, 1, cpu_attention.DECODE_MAX_TOKENS + 1)  # prefill: SDPA
+    assert not cpu_attention.decode_supports(ok.float(), 1, 1)
+    assert not cpu_attention.decode_supports(torch.zeros(2, 1, 3, 40, 48, dtype=torch.bfloat16), 1, 1)  # D % 32
+
+
+def test_engine_forward_takes_it_and_keeps_sdpas_logits(monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specfoundry.runtime.engine import EngineTarget
+    from specfoundry.runtime.tree import tree_depths
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    target = EngineTarget(LlamaForCausalLM(cfg).eval().to(torch.bfloat16))
+    calls = []
+    real = cpu_attention.decode_attention
+    monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(1)
+    prefix, toks = torch.randint(0, 96, (1, 20), generator=g), torch.randint(0, 96, (1, 7), generator=g)
+    parents = _tree(7, g)
+    outs = {}
+    for lim in (cpu_attention.DECODE_MAX_TOKENS, 0):  # 0: the SDPA path
+        monkeypatch.setattr(cpu_attention, "DECODE_MAX_TOKENS", lim)
+        cache = target.new_cache(capacity=64)
+        target.forward(prefix, cache)
+        cache.commit()
+        tree = target.forward(toks, cache, position_ids=20 + tree_depths(parents), tree_mask=ancestor_matrix(parents))
+        outs[lim] = tree.logits.float()
+    assert calls  # the kernel ran for the tree step (not for the 20-token prefill)
+    a, b = outs[cpu_attention.DECODE_MAX_TOKENS], outs[0]
+    assert (a - b).abs().max() <= 0.03 * b.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.85
