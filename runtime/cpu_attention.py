@@ -32,6 +32,22 @@ import torch
 
 from .native import AVX512_BF16, PRELUDE, build
 
+def _exp_poly(op: str, vec: str) -> str:
+    """The C body shared by the kernels' exp(x) (x <= 0, Cephes-style): from ``n = round(x / ln 2)``,
+    ``p = e^r`` for ``r = x - n ln 2`` (``|r| <= ln2/2``) as a polynomial accurate to a few fp32 ulps;
+    the caller scales by ``2^n``. ``op``: the intrinsics' prefix (``_mm256``/``_mm512``)."""
+    return f"""
+    {vec} r = {op}_fnmadd_ps(n, {op}_set1_ps(0.693359375f), x);
+    r = {op}_fnmadd_ps(n, {op}_set1_ps(-2.12194440e-4f), r);
+    {vec} p = {op}_set1_ps(1.9875691500e-4f);
+    p = {op}_fmadd_ps(p, r, {op}_set1_ps(1.3981999507e-3f));
+    p = {op}_fmadd_ps(p, r, {op}_set1_ps(8.3334519073e-3f));
+    p = {op}_fmadd_ps(p, r, {op}_set1_ps(4.1665795894e-2f));
+    p = {op}_fmadd_ps(p, r, {op}_set1_ps(1.6666665459e-1f));
+    p = {op}_fmadd_ps(p, r, {op}_set1_ps(5.0000001201e-1f));
+    p = {op}_fmadd_ps(p, {op}_mul_ps(r, r), {op}_add_ps(r, {op}_set1_ps(1.0f)));"""
+
+
 _SOURCE = PRELUDE + r"""
 #include <math.h>
 #include <stdlib.h>
@@ -42,15 +58,7 @@ static inline __m256 exp256(__m256 x) {
     x = _mm256_max_ps(x, lo);
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+""" + _exp_poly("_mm256", "__m256") + r"""
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
@@ -185,15 +193,7 @@ _SOURCE_DECODE = r"""
 static inline __m512 exp512(__m512 x) {  /* x <= 0 */
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+""" + _exp_poly("_mm512", "__m512") + r"""
     return _mm512_scalef_ps(p, n);
 }
 static inline __m512 wid(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
