@@ -192,7 +192,7 @@ def kernel_for(kernels: tuple[str, ...], rows: int) -> str:
     """The kernel of ``kernels`` (one-row, several-row[, many-row]) for a product of ``rows`` rows: the
     several-row kernel, except that a few-row kernel (:data:`FEW_ROW`) hands more than ``cpu_gemv.MAX_ROWS``
     rows (prefill, batched generation, large trees) to the many-row kernel: the third entry (the
-    engine's choice at 32 rows), else oneDNN where that is prepared, else ATen."""
+    engine's choice at 32 and 128 rows), else oneDNN where that is prepared, else ATen."""
     if rows == 1:
         return kernels[0]
     if kernels[1] not in FEW_ROW or rows <= cpu_gemv.MAX_ROWS:
@@ -360,7 +360,7 @@ class LlamaEngine:
         # kernel faster on cached weights won where it was 1.2x slower in decoding)
         mats = [self.lm_head]
         for layer in self.layers:
-            if mats and sum(m.numel() * m.element_size() for m in mats) >= MEASURE_BYTES and len(mats) > 1:
+            if len(mats) > 1 and sum(m.numel() * m.element_size() for m in mats) >= MEASURE_BYTES:
                 break
             mats += [layer[k] for k in _MATRICES if k in layer]
         candidates = {"aten": mats, "gemv_t": [KERNELS["gemv_t"][0](m) for m in mats]}
