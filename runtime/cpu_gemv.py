@@ -17,15 +17,17 @@ bf16 weights are widened exactly (a shift); products accumulate in fp32 like ATe
 
 The AVX-512 BF16 kernel (CPUs with ``avx512_bf16``: AMD Zen 4 and later, Intel Cooper Lake,
 Sapphire Rapids and later) multiplies bf16 pairs into fp32 sums with one instruction per 32
-inputs (``vdpbf16ps``) and no widening, several output rows at a time (independent sums: the
-instruction's latency is hidden), and rounds the outputs to bf16 itself. Measured on a 2-core AMD
-EPYC with avx512_bf16 (docs/results.md, twenty-second session), SmolLM2-135M's matrices once, 1
-thread: see the table there. Numerics: each output is one thread's fp32 sum in a fixed order
-(pairs, 16 lanes, then the lanes' tree sum) whatever the row count and thread count, as above; the
-inputs are the activations' bf16 values as they are (ATen's bf16 products take the same inputs).
+inputs (``vdpbf16ps``) and no widening, one weight row at a time against up to 8 rows of ``x``
+(two independent sums per row over alternating blocks of 32 inputs: the instruction's latency is
+hidden; several weight rows per pass measured slower), and rounds the outputs to bf16 itself. On a
+2-core AMD EPYC with avx512_bf16 (docs/results.md, twenty-second session) it streams SmolLM2-135M's
+matrices at 1 row in 7.4-8.2 ms at 1 thread against oneDNN's 9.9-10.9. Numerics: each output is one
+thread's fp32 sum in a fixed order whatever the row count and thread count, as above; the inputs
+are the activations' bf16 values as they are (ATen's bf16 products take the same inputs).
 
-Build: the C source below is compiled once per machine by :func:`.native.build` (``cc -O3 -mavx2
--mfma -fopenmp``, cached by source hash, OpenMP shared with torch). No compiler, no AVX2/FMA, or a
+Build: the C sources below are compiled once per machine by :func:`.native.build` (``cc -O3
+-fopenmp`` with ``-mavx2 -mfma`` or the AVX-512 BF16 flags, cached by source hash, OpenMP shared
+with torch). No compiler, no AVX2/FMA, or a
 failed build: the kernel is unavailable and the engine's measured choice simply leaves it out
 (:func:`unavailable_reason`).
 """
