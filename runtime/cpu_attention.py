@@ -197,20 +197,26 @@ static inline __m512 exp512(__m512 x) {  /* x <= 0 */
     return _mm512_scalef_ps(p, n);
 }
 static inline __m512 wid(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-/* one sequence (a batch-1 cache): q fp32 [n][hq][D]; K,V bf16 [hkv][cap][D] (row stride s_head elements); columns 0..L-1 all
-   visible, L..L+n-1 by block[t][j] (uint8, NULL = causal); out fp32 [n][hq][D]. D % 16 == 0, D <= 256. */
-void sf_attn1(const float *q, const uint16_t *K, const uint16_t *V, int64_t s_head, int L, int n,
-              const uint8_t *block, int hq, int hkv, int D, float scale, float *out) {
-    int g = hq / hkv, W = L + n, WP = (W + 15) / 16 * 16;
-    _Pragma("omp parallel for schedule(static)")
-    for (int hh = 0; hh < hq; hh++) {
-        int h = hh / g;
-        const uint16_t *Kh = K + h * s_head, *Vh = V + h * s_head;
+/* rows b < B of a slot cache, each over its own columns: q fp32 [T][hq][D] (row b's counts[b] tokens
+   from flat index first[b]); K, V bf16 [slot][hkv][cap][D] (strides s_slot, s_head elements); row b
+   sees columns 0..lens[b]-1 and, among its new columns lens[b]+j, those where block[b][t][j] (uint8
+   [B][nb][nb]; NULL = causal); out fp32 [T][hq][D]. D % 32 == 0, D <= 256. */
+void sf_attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int64_t s_slot, int64_t s_head,
+                  const int32_t *lens, const int32_t *counts, const int32_t *first, const uint8_t *blk, int nb,
+                  int B, int hq, int hkv, int D, float scale, float *out) {
+    int g = hq / hkv;
+    _Pragma("omp parallel for schedule(dynamic, 1)")
+    for (int bh = 0; bh < B * hq; bh++) {
+        int b = bh / hq, hh = bh % hq, h = hh / g, L = lens[b], n = counts[b], W = L + n, WP = (W + 15) / 16 * 16;
+        const uint16_t *Kh = Kc + b * s_slot + h * s_head, *Vh = Vc + b * s_slot + h * s_head;
+        const uint8_t *block = blk ? blk + (int64_t)b * nb * nb : 0;
+        const float *qb0 = q + (int64_t)first[b] * hq * D;
+        float *ob0 = out + (int64_t)first[b] * hq * D;
         float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)n * WP);
         /* scores: per query row, 16 columns at a time: 2 bf16 dot products per column into 16 partial
            sums each, then one transposed reduction of the 16 vectors into the 16 scores */
         for (int t = 0; t < n; t++) {
-            const float *qr = q + ((int64_t)t * hq + hh) * D;
+            const float *qr = qb0 + ((int64_t)t * hq + hh) * D;
             __m512bh qb[8];
             for (int k = 0; k < D / 32; k++)
                 qb[k] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr + 32 * k + 16), _mm512_loadu_ps(qr + 32 * k));
@@ -237,7 +243,7 @@ void sf_attn1(const float *q, const uint16_t *K, const uint16_t *V, int64_t s_he
                 if (c0 + 16 > L)
                     for (int j = 0; j < 16; j++) {
                         int col = c0 + j;
-                        if (col >= W || (col >= L && !(block ? block[t * n + (col - L)] : (col - L) <= t))) sp[c0 + j] = -INFINITY;
+                        if (col >= W || (col >= L && !(block ? block[t * nb + (col - L)] : (col - L) <= t))) sp[c0 + j] = -INFINITY;
                     }
             }
         }
@@ -256,7 +262,7 @@ void sf_attn1(const float *q, const uint16_t *K, const uint16_t *V, int64_t s_he
                 tot = _mm512_add_ps(tot, e);
             }
             float inv = 1.0f / _mm512_reduce_add_ps(tot);
-            float *o = out + ((int64_t)t * hq + hh) * D;
+            float *o = ob0 + ((int64_t)t * hq + hh) * D;
             __m512 acc[16];
             for (int k = 0; k < D / 16; k++) acc[k] = _mm512_setzero_ps();
             for (int col = 0; col < W; col++) {
@@ -293,7 +299,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 @functools.lru_cache(maxsize=1)
 def _load_decode() -> tuple[ctypes.CDLL | None, str | None]:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    return build("sfattn1", _SOURCE_DECODE, {"sf_attn1": [p, p, p, i64, i32, i32, p, i32, i32, i32, ctypes.c_float, p]},
+    return build("sfattnrows", _SOURCE_DECODE,
+                 {"sf_attn_rows": [p, p, p, i64, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, p]},
                  isa=AVX512_BF16)
 
 
@@ -322,9 +329,11 @@ def decode_attention(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     qf = q[0].to(torch.float32).contiguous()
     out = torch.empty(n, hq, D, dtype=torch.float32)
     b8 = None if block is None or n == 1 else block.reshape(n, n).to(torch.uint8).contiguous()
-    keys, values = layer_kv[0, 0], layer_kv[1, 0]
-    lib.sf_attn1(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), past, n,
-                 None if b8 is None else b8.data_ptr(), hq, keys.shape[0], D, float(scale), out.data_ptr())
+    keys, values = layer_kv[0], layer_kv[1]
+    i32 = [ctypes.c_int32(v) for v in (past, n, 0)]
+    lib.sf_attn_rows(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1),
+                     *(ctypes.addressof(v) for v in i32), None if b8 is None else b8.data_ptr(), n, 1, hq,
+                     keys.shape[1], D, float(scale), out.data_ptr())
     return out.view(1, n, hq * D).to(layer_kv.dtype)
 
 
@@ -350,7 +359,8 @@ def slot_attention(q: torch.Tensor, layer: torch.Tensor, lengths: torch.Tensor, 
     hkv, capacity, D]`` (K/V of the new tokens already written after each row's ``lengths[b]``):
     row ``b`` has ``counts[b]`` tokens from flat index ``first[b]`` (int32 ``[B]`` tensors), and
     ``block`` ``[B, n, n]`` (bool) says which of the row's new columns each of its tokens sees.
-    Returns ``[T, hq*D]`` in the cache's dtype (see the module doc)."""
+    Returns ``[T, hq*D]`` in the cache's dtype (see the module doc). A bf16 cache with ``D % 32 == 0``
+    runs on the AVX-512 BF16 kernel where the CPU has it (:func:`decode_attention`'s, per row)."""
     lib = _load()[0]
     if lib is None:
         raise RuntimeError(f"the attention kernel is unavailable: {unavailable_reason()}")
@@ -368,6 +378,9 @@ def slot_attention(q: torch.Tensor, layer: torch.Tensor, lengths: torch.Tensor, 
     blk = block.to(torch.uint8).contiguous()
     keys, values = layer[0], layer[1]
     fn = lib.sf_attn_bf16 if layer.dtype == torch.bfloat16 else lib.sf_attn_f32
+    rows = _load_decode()[0]
+    if rows is not None and layer.dtype == torch.bfloat16 and D % 32 == 0:
+        fn = rows.sf_attn_rows  # the AVX-512 BF16 kernel, same arguments (see decode_attention)
     fn(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), lengths.data_ptr(),
        counts.data_ptr(), first.data_ptr(), blk.data_ptr(), n, B, hq, hkv, D, float(scale), out.data_ptr())
     return out.view(T, hq * D).to(layer.dtype)
