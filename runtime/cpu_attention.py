@@ -32,6 +32,7 @@ import torch
 
 from .native import AVX512_BF16, PRELUDE, build
 
+
 def _exp_poly(op: str, vec: str) -> str:
     """The C body shared by the kernels' exp(x) (x <= 0, Cephes-style): from ``n = round(x / ln 2)``,
     ``p = e^r`` for ``r = x - n ln 2`` (``|r| <= ln2/2``) as a polynomial accurate to a few fp32 ulps;
@@ -182,9 +183,10 @@ ATTN(sf_attn_bf16, uint16_t, ld_bf16)
 ATTN(sf_attn_f32, float, ld_f32)
 """
 
-# one sequence's decode/verification attention with AVX-512 BF16 (decode_attention): scores by
-# vdpbf16ps (2 per column for D = 64) into 16 partial sums per column, the 16 columns of a block
-# reduced together by one transposed sum; fp32 softmax; P V in fp32 against V widened exactly
+# the AVX-512 BF16 kernel (sf_attn_rows: decode_attention's one row, slot_attention's rows of a bf16
+# cache): scores by vdpbf16ps (2 per column for D = 64) into 16 partial sums per column, the 16
+# columns of a block reduced together by one transposed sum; fp32 softmax; P V in fp32 against V
+# widened exactly; one (row, query head) per task
 _SOURCE_DECODE = r"""
 #include <immintrin.h>
 #include <stdint.h>

@@ -8,8 +8,8 @@ Also :func:`release_free_memory`, glibc's ``malloc_trim`` for long-running serve
 OpenMP: the kernels use the OpenMP runtime torch already loaded (same ``libgomp.so.1``), so
 ``torch.set_num_threads`` governs them too. No compiler, no AVX2/FMA, or a failed build: the
 kernel is unavailable and its caller keeps the library path (the reason is reported). A kernel
-for a wider instruction set names the CPU flags it needs and its compiler flags (``requires``,
-``isa``): on a CPU without them it is unavailable, never mis-built.
+for a wider instruction set names the CPU flags it needs and its compiler flags (``isa``, e.g.
+:data:`AVX512_BF16`): on a CPU without them it is unavailable, never mis-built.
 """
 
 from __future__ import annotations

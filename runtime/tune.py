@@ -43,8 +43,9 @@ def shape_label(shape: dict) -> str:
     no candidate beat plain decoding."""
     if shape["adaptive"]:
         speedups = shape.get("speedups") or {}
-        if speedups and max(speedups.values()) < 1.0 and fastest_candidate(shape) != "adaptive":
-            return f"adaptive (up to {fastest_candidate(shape)})"
+        fastest = fastest_candidate(shape) if speedups else "adaptive"
+        if fastest != "adaptive" and speedups[fastest] < 1.0:
+            return f"adaptive (up to {fastest})"
         return "adaptive"
     if shape.get("tree") == "dynamic":
         return f"tree@{shape['depth']}/{shape['total_tokens']}"

@@ -150,25 +150,13 @@ def test_engine_kernel_avx512bf16_leaves_other_dtypes_to_aten():
 def test_speculative_greedy_equals_plain_on_the_avx512bf16_kernel():
     # bf16 target, the kernel forced for one-row and several-row products: every verified token's
     # logits come from the same per-row sums as a plain step's, so greedy outputs match exactly
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import assert_greedy_speculation_is_plain, tiny_llama
 
-    from specfoundry.runtime import SpeculativeGenerator, load_drafter
-    from specfoundry.runtime.engine import EngineTarget, LlamaEngine
+    from specfoundry.runtime.engine import LlamaEngine
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    model = LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
-    target = EngineTarget(model)
-    target.engine = LlamaEngine(model, kernels=("avx512bf16", "avx512bf16", "avx512bf16"))
-    g = torch.Generator().manual_seed(3)
-    for source, opts in (("ngram", {}), ("eagle3", {"tree": "chain", "depth": 3})):
-        gen = SpeculativeGenerator(target, load_drafter(source, target=target, **opts), adaptive=False)
-        for _ in range(3):
-            base = torch.randint(0, 96, (6,), generator=g).tolist()
-            kw = dict(prompt_ids=base * 3, max_new_tokens=24, stop_at_eos=False)
-            spec, plain = gen.generate(**kw), gen.generate(speculate=False, **kw)
-            assert spec.token_ids == plain.token_ids, (source, opts)
+    target = tiny_llama(0, vocab=96, hidden=64, layers=3, dtype=torch.bfloat16, init_std=0.02)
+    target.engine = LlamaEngine(target.model, kernels=("avx512bf16", "avx512bf16", "avx512bf16"))
+    assert_greedy_speculation_is_plain(target, [("ngram", {}), ("eagle3", {"tree": "chain", "depth": 3})], vocab=96)
 
 
 def test_cost_curve_measures_where_the_few_row_kernels_hand_over():

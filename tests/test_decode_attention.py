@@ -6,6 +6,7 @@ CPUs without avx512_bf16 (the engine keeps SDPA there)."""
 
 import pytest
 import torch
+from tiny_models import assert_greedy_speculation_is_plain, tiny_llama
 
 from specfoundry.runtime import cpu_attention
 from specfoundry.runtime.kvcache import attend
@@ -81,15 +82,9 @@ def test_decode_support_is_refused_outside_its_scope():
 
 
 def test_engine_forward_takes_it_and_keeps_sdpas_logits(monkeypatch):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from specfoundry.runtime.engine import EngineTarget
     from specfoundry.runtime.tree import tree_depths
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    target = EngineTarget(LlamaForCausalLM(cfg).eval().to(torch.bfloat16))
+    target = tiny_llama(0, vocab=96, hidden=128, layers=2, dtype=torch.bfloat16, init_std=0.02)  # head_dim 32
     calls = []
     real = cpu_attention.decode_attention
     monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a: calls.append(1) or real(*a))
@@ -108,3 +103,34 @@ def test_engine_forward_takes_it_and_keeps_sdpas_logits(monkeypatch):
     a, b = outs[cpu_attention.DECODE_MAX_TOKENS], outs[0]
     assert (a - b).abs().max() <= 0.03 * b.abs().max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.85
+
+
+def test_speculative_greedy_equals_plain_through_the_kernel(monkeypatch):
+    # a bf16 target whose head_dim (32) the kernel takes: plain steps and every verification (chains,
+    # a tree, prompt-lookup chains) attend through it, and greedy output is the plain output exactly
+    target = tiny_llama(0, vocab=96, hidden=128, layers=2, dtype=torch.bfloat16, init_std=0.02)
+    steps = []
+    real = cpu_attention.decode_attention
+    monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a: steps.append(a[1].shape[1]) or real(*a))
+    assert_greedy_speculation_is_plain(target, [("ngram", {}), ("eagle3", {"tree": "chain", "depth": 3}),
+                                                ("eagle3", {"depth": 3})], vocab=96)
+    assert 1 in steps and max(steps) > 1  # plain steps and verifications both ran on the kernel
+
+
+def test_chains_stay_exact_on_a_peaked_bf16_target():
+    # large-init bf16 weights (peaked logits, big activations: near-ties happen): with the products on
+    # the per-row kernel and attention on this one, a chain's tokens get a plain step's bits, so greedy
+    # chains (n-gram, EAGLE-3) stay exact. Trees are not claimed: their nodes sit at other cache
+    # positions than after the commit, the sums run in another order, and bf16 near-ties are judged
+    # by the float32 check (runtime/lossless.py), as everywhere else
+    from specfoundry.runtime import cpu_gemv
+    from specfoundry.runtime.engine import LlamaEngine
+
+    if not cpu_gemv.bf16_available():
+        pytest.skip(f"avx512bf16 matrix kernel unavailable: {cpu_gemv.bf16_unavailable_reason()}")
+    # (this target and these prompts: with SDPA instead (DECODE_MAX_TOKENS = 0) the EAGLE-3 chain's
+    # output left the plain one at a near-tie, so the test tells the two attentions apart)
+    target = tiny_llama(2, vocab=96, hidden=128, layers=2, dtype=torch.bfloat16)  # init std 0.5
+    target.engine = LlamaEngine(target.model, kernels=("avx512bf16", "avx512bf16", "avx512bf16"))
+    assert_greedy_speculation_is_plain(target, [("ngram", {}), ("eagle3", {"tree": "chain", "depth": 3})],
+                                       vocab=96, prompts=8, seed=2)

@@ -31,6 +31,21 @@ def perturbed_copy(t, scale: float, seed: int = 123):
     return wrap_target(m, name=f"{t.name}-perturbed", backend=getattr(t, "backend", "hf"))
 
 
+def assert_greedy_speculation_is_plain(target, drafters, vocab: int, seed: int = 3, prompts: int = 3) -> None:
+    """For each ``(source, options)`` in ``drafters``: greedy speculative output on repeated random
+    prompts (repeats give the n-gram drafter matches) is the plain greedy output token for token."""
+    from specfoundry.runtime import SpeculativeGenerator, load_drafter
+
+    g = torch.Generator().manual_seed(seed)
+    for source, opts in drafters:
+        gen = SpeculativeGenerator(target, load_drafter(source, target=target, **opts), adaptive=False)
+        for _ in range(prompts):
+            base = torch.randint(0, vocab, (6,), generator=g).tolist()
+            kw = dict(prompt_ids=base * 3, max_new_tokens=24, stop_at_eos=False)
+            spec, plain = gen.generate(**kw), gen.generate(speculate=False, **kw)
+            assert spec.token_ids == plain.token_ids, (source, opts)
+
+
 TINY_PROMPTS = ["Write a haiku about rain.", "What is 2 + 2?", "Name three colors.", "Explain gravity briefly.",
                 "Give me a synonym for happy.", "Translate 'cat' to French.", "List two prime numbers.",
                 "What is the capital of Italy?", "Say hello politely.", "Describe a cat in one sentence.",
