@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_attention, cpu_gemv
+from . import cpu_attention, cpu_gemv, cpu_layers
 from .kvcache import MaskBuffer, StaticKVCache, attend, grouped_attention, rotate
 from .target import TargetModel, TargetOutput
 
@@ -295,6 +295,9 @@ class LlamaEngine:
                         w[f"{key}@{name}"] = prepare(w[key])
         self._rope = RopeTable(self.rotary)
         self.masks = MaskBuffer(self.groups, self.device)
+        # decode and verification steps of one sequence in one C call where it runs (cpu_layers);
+        # False keeps the op-by-op forward (A/B measurements, tests)
+        self.use_layer_kernel = True
         self.version = self.weights_version()
 
     def weights_version(self) -> int:
@@ -436,7 +439,14 @@ class LlamaEngine:
         past = cache.length
         cos, sin = self.rope(position_ids.to(self.device))
         kv = cache.kv
-        if (tree_mask is None or tree_mask.shape[-1] == n) and cpu_attention.decode_supports(kv[0], B, n):
+        table = self._layer_table(B, n, tree_mask, kv)
+        if table is not None:
+            # one C call for all layers (AVX-512 BF16): no PyTorch ops between the kernels
+            x, feats = cpu_layers.run_layers(
+                table, F.embedding(input_ids.to(self.device), self.embed), cos, sin, kv, past, tree_mask,
+                heads=(self.hq, self.hkv), intermediate=self.layers[0]["w_down"].shape[1], eps=self.eps,
+                scale=self.scale, feature_layers=feature_layers)
+        elif (tree_mask is None or tree_mask.shape[-1] == n) and cpu_attention.decode_supports(kv[0], B, n):
             # one sequence's decode or verification step on the AVX-512 BF16 kernel: 1.6-2.6x faster
             # than SDPA here for 1-8 tokens (docs/results.md, twenty-second session); no mask to build
             x, feats = self.run_layers(input_ids, cos, sin, lambda i, q, k, v: cpu_attention.decode_attention(
@@ -448,6 +458,25 @@ class LlamaEngine:
             self.masks.release(mask, n if tree_mask is None else tree_mask.shape[-1])
         cache.mark_appended(n)
         return self.finish(x, feats, feature_layers, logits_for)
+
+    def _layer_table(self, B: int, n: int, tree_mask: torch.Tensor | None, kv: torch.Tensor) -> torch.Tensor | None:
+        """The weight table of :func:`.cpu_layers.run_layers` when that runs this step (one sequence,
+        bf16, up to :data:`.cpu_layers.MAX_TOKENS` tokens on the AVX-512 BF16 products, a mask over the
+        new tokens only, no per-head Q/K norms), else None."""
+        if not self.use_layer_kernel or B != 1 or kernel_for(self.kernels, n) != "avx512bf16" \
+                or (tree_mask is not None and tree_mask.shape[-1] != n) or self.layers[0]["q_norm"] is not None \
+                or not kv.is_contiguous():
+            return None
+        if not cpu_layers.supports(self.embed.shape[1], self.layers[0]["w_down"].shape[1], self.head_dim,
+                                   self.dtype, n):
+            return None
+        table = self.__dict__.get("_table")
+        if table is None:
+            key = "@avx512bf16"
+            table = self._table = cpu_layers.layer_table([
+                {"ln1": w["ln1"], "wqkv": w["wqkv" + key], "bqkv": w["bqkv"], "wo": w["wo" + key], "ln2": w["ln2"],
+                 "w_gu": w["w_gu" + key], "w_down": w["w_down" + key]} for w in self.layers])
+        return table
 
     def run_layers(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention,
                    feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list]:

@@ -85,6 +85,7 @@ def test_engine_forward_takes_it_and_keeps_sdpas_logits(monkeypatch):
     from specfoundry.runtime.tree import tree_depths
 
     target = tiny_llama(0, vocab=96, hidden=128, layers=2, dtype=torch.bfloat16, init_std=0.02)  # head_dim 32
+    target.engine.use_layer_kernel = False  # the op-by-op forward (the layer kernel: test_cpu_layers.py)
     calls = []
     real = cpu_attention.decode_attention
     monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a: calls.append(1) or real(*a))
@@ -109,6 +110,7 @@ def test_speculative_greedy_equals_plain_through_the_kernel(monkeypatch):
     # a bf16 target whose head_dim (32) the kernel takes: plain steps and every verification (chains,
     # a tree, prompt-lookup chains) attend through it, and greedy output is the plain output exactly
     target = tiny_llama(0, vocab=96, hidden=128, layers=2, dtype=torch.bfloat16, init_std=0.02)
+    target.engine.use_layer_kernel = False
     steps = []
     real = cpu_attention.decode_attention
     monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a: steps.append(a[1].shape[1]) or real(*a))
@@ -117,7 +119,8 @@ def test_speculative_greedy_equals_plain_through_the_kernel(monkeypatch):
     assert 1 in steps and max(steps) > 1  # plain steps and verifications both ran on the kernel
 
 
-def test_chains_stay_exact_on_a_peaked_bf16_target():
+@pytest.mark.parametrize("layer_kernel", [False, True], ids=["op-by-op", "layer-kernel"])
+def test_chains_stay_exact_on_a_peaked_bf16_target(layer_kernel):
     # large-init bf16 weights (peaked logits, big activations: near-ties happen): with the products on
     # the per-row kernel and attention on this one, a chain's tokens get a plain step's bits, so greedy
     # chains (n-gram, EAGLE-3) stay exact. Trees are not claimed: their nodes sit at other cache
@@ -132,5 +135,6 @@ def test_chains_stay_exact_on_a_peaked_bf16_target():
     # output left the plain one at a near-tie, so the test tells the two attentions apart)
     target = tiny_llama(2, vocab=96, hidden=128, layers=2, dtype=torch.bfloat16)  # init std 0.5
     target.engine = LlamaEngine(target.model, kernels=("avx512bf16", "avx512bf16", "avx512bf16"))
+    target.engine.use_layer_kernel = layer_kernel  # both forwards: op by op, and all layers in one C call
     assert_greedy_speculation_is_plain(target, [("ngram", {}), ("eagle3", {"tree": "chain", "depth": 3})],
                                        vocab=96, prompts=8, seed=2)

@@ -31,10 +31,14 @@ def perturbed_copy(t, scale: float, seed: int = 123):
     return wrap_target(m, name=f"{t.name}-perturbed", backend=getattr(t, "backend", "hf"))
 
 
-def assert_greedy_speculation_is_plain(target, drafters, vocab: int, seed: int = 3, prompts: int = 3) -> None:
+def assert_greedy_speculation_is_plain(target, drafters, vocab: int, seed: int = 3, prompts: int = 3,
+                                       near_ties: bool = False) -> None:
     """For each ``(source, options)`` in ``drafters``: greedy speculative output on repeated random
-    prompts (repeats give the n-gram drafter matches) is the plain greedy output token for token."""
+    prompts (repeats give the n-gram drafter matches) is the plain greedy output token for token;
+    ``near_ties``: or it leaves it only where rounding explains the flip (the float32 check of
+    :func:`~specfoundry.runtime.lossless.compare_greedy`, for trees on a bf16 target)."""
     from specfoundry.runtime import SpeculativeGenerator, load_drafter
+    from specfoundry.runtime.lossless import compare_greedy
 
     g = torch.Generator().manual_seed(seed)
     for source, opts in drafters:
@@ -43,7 +47,11 @@ def assert_greedy_speculation_is_plain(target, drafters, vocab: int, seed: int =
             base = torch.randint(0, vocab, (6,), generator=g).tolist()
             kw = dict(prompt_ids=base * 3, max_new_tokens=24, stop_at_eos=False)
             spec, plain = gen.generate(**kw), gen.generate(speculate=False, **kw)
-            assert spec.token_ids == plain.token_ids, (source, opts)
+            if near_ties and spec.token_ids != plain.token_ids:
+                verdict = compare_greedy(target, base * 3, plain.token_ids, spec.token_ids)
+                assert verdict.ok, (source, opts, verdict)
+            else:
+                assert spec.token_ids == plain.token_ids, (source, opts)
 
 
 TINY_PROMPTS = ["Write a haiku about rain.", "What is 2 + 2?", "Name three colors.", "Explain gravity briefly.",

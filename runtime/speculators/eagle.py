@@ -41,7 +41,9 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from ..engine import MaskBuffer, PreparedLinears, RopeTable, StaticKVCache, attend, grouped_attention, rms_norm, rotate
+from .. import cpu_layers
+from ..engine import (MaskBuffer, PreparedLinears, RopeTable, StaticKVCache, attend, grouped_attention, kernel_for,
+                      rms_norm, rotate)
 from ..kvcache import row_mask
 from ..target import additive_mask
 from .vocab import set_draft_vocab
@@ -256,10 +258,20 @@ class _EagleBase(nn.Module):
         dev = self.device
         if position_ids is None:
             position_ids = (past + torch.arange(n, device=dev)).expand(B, n)
+        a = self.architecture
         masks = self.__dict__.get("_masks")
         if masks is None or masks.buf.device != dev:
-            a = self.architecture
             masks = self.__dict__["_masks"] = MaskBuffer(a["num_attention_heads"] // a["num_key_value_heads"], dev)
+        table = self._layer_table(B, n, block, cache)
+        if table is not None:  # the whole layer in one C call (cpu_layers)
+            x, residual = self._step_inputs(input_ids.to(dev), hidden.to(dev, self.dtype))
+            cos, sin = self._rope(position_ids.to(dev), residual)
+            out, _ = cpu_layers.run_layers(
+                table, residual, cos, sin, cache.kv, past, block, heads=(a["num_attention_heads"], a["num_key_value_heads"]),
+                intermediate=a["intermediate_size"], eps=self.layer.post_attention_layernorm.variance_epsilon,
+                scale=self.layer.self_attn.scaling, xin=x)
+            cache.mark_appended(n)
+            return out
         mask = masks.get(block, B, n, past)
 
         def attention(q, k, v):
@@ -269,6 +281,28 @@ class _EagleBase(nn.Module):
         masks.release(mask, n if block is None else block.shape[-1])
         cache.mark_appended(n)
         return out
+
+    def _layer_table(self, B: int, n: int, block: torch.Tensor | None, cache: StaticKVCache) -> torch.Tensor | None:
+        """The :func:`.cpu_layers.run_layers` weight table of the decoder layer when that runs this
+        step (the engine's AVX-512 BF16 products for ``n`` rows, one sequence, a block over the new
+        tokens only, bf16), else None. Built per step from the prepared weights (a re-prepared weight
+        is picked up)."""
+        run = self.__dict__.get("_linears")
+        if run is None or B != 1 or kernel_for(run.kernels, n) != "avx512bf16" or self.dtype != torch.bfloat16 \
+                or (block is not None and block.shape[-1] != n) or not cache.kv.is_contiguous():
+            return None
+        a = self.architecture
+        if not cpu_layers.supports(a["hidden_size"], a["intermediate_size"], a["head_dim"], self.dtype, n):
+            return None
+        attn, mlp = self.layer.self_attn, self.layer.mlp
+        key = "avx512bf16"
+        qkv, gu = run._entry((attn.q_proj, attn.k_proj, attn.v_proj), key), run._entry((mlp.gate_proj, mlp.up_proj), key)
+        if qkv[2] is not None or any(m.bias is not None for m in (attn.o_proj, mlp.down_proj)):
+            return None
+        return cpu_layers.layer_table([{
+            "ln1": None, "wqkv": qkv[0], "bqkv": None, "wo": run._entry((attn.o_proj,), key)[0],
+            "ln2": self.layer.post_attention_layernorm.weight, "w_gu": gu[0],
+            "w_down": run._entry((mlp.down_proj,), key)[0]}])
 
     @torch.inference_mode()
     def step_rows(self, input_ids: torch.Tensor, hidden: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor,

@@ -1,0 +1,202 @@
+"""One sequence's decoder layers in one C call (AVX-512 BF16): the engine's decode and small
+verification steps, and the EAGLE heads' drafting layer.
+
+Scope: Llama-family layers (RMSNorm, fused Q/K/V with an optional bias, rotate-half RoPE, grouped-
+query attention over a static cache, SiLU-gated MLP) for 1-:data:`MAX_TOKENS` new tokens of one
+sequence, bf16 weights, activations and cache, on CPUs with ``avx512_bf16``. The matrix products
+and the attention are the kernels the engine already runs one by one (:mod:`.cpu_gemv`'s few-row
+product, :mod:`.cpu_attention`'s ``sf_attn_rows``); this module only runs a whole forward's layers
+without returning to Python between them.
+
+Why: a decode step of SmolLM2-135M ran ~4,700 PyTorch ops (30 layers x norms, RoPE, casts, slices,
+residual adds), ~3-4 ms of a ~13 ms step at one thread on a 2-core AMD EPYC, paid again by every
+verification and every head step (docs/results.md, twenty-third session). Here the glue between the
+kernels is a few vector loops per layer.
+
+Numerics: the same roundings as the PyTorch path, op for op: bf16 after the norm's fp32 scaling and
+again after its weight, after each RoPE product and their sum, after each residual add, after SiLU
+and after the gate product; Q widened exactly for the attention, its fp32 output rounded once.
+Two reductions are not in PyTorch's order (the norm's sum of squares, and SiLU's exponential is
+our polynomial), so a value can differ in its last bf16 bit from the op-by-op path; the engine's
+HF parity bound covers it and every step of one sequence (plain or verification) takes this path
+alike, so greedy speculation stays equal to plain decoding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from . import cpu_attention, cpu_gemv
+from .native import AVX512_BF16, build
+
+__all__ = ["MAX_TOKENS", "available", "run_layers", "supports", "unavailable_reason"]
+
+#: most new tokens per call: the few-row product's one pass (more go to the many-row kernel)
+MAX_TOKENS = cpu_gemv.MAX_ROWS
+
+_LAYER = r"""
+static inline __m512 ld16(const uint16_t *p) { return wid(_mm256_loadu_si256((const __m256i *)p)); }
+static inline void st16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+static inline __m512 rnd(__m512 v) { return wid((__m256i)_mm512_cvtneps_pbh(v)); }  /* to bf16 and back */
+
+/* y = w * bf16(x * rsqrt(mean(x^2) + eps)), n rows of H (H % 16 == 0) */
+static void norm_rows(const uint16_t *x, const uint16_t *w, uint16_t *y, int n, int H, float eps) {
+    for (int t = 0; t < n; t++) {
+        const uint16_t *xr = x + (int64_t)t * H;
+        uint16_t *yr = y + (int64_t)t * H;
+        __m512 acc = _mm512_setzero_ps();
+        for (int i = 0; i < H; i += 16) { __m512 v = ld16(xr + i); acc = _mm512_fmadd_ps(v, v, acc); }
+        __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / H + eps));
+        for (int i = 0; i < H; i += 16) st16(yr + i, _mm512_mul_ps(ld16(w + i), rnd(_mm512_mul_ps(ld16(xr + i), r))));
+    }
+}
+
+/* rotate-half RoPE of one head (D % 32 == 0) with bf16 roundings after each product and the sum */
+static inline __m512 rope16(const uint16_t *h, const uint16_t *c, const uint16_t *s, int d, int D) {
+    int half = D / 2;
+    __m512 x = ld16(h + d);
+    __m512 r = d < half ? _mm512_sub_ps(_mm512_setzero_ps(), ld16(h + d + half)) : ld16(h + d - half);
+    return rnd(_mm512_add_ps(rnd(_mm512_mul_ps(x, ld16(c + d))), rnd(_mm512_mul_ps(r, ld16(s + d)))));
+}
+
+/* n new tokens of one sequence through L layers. Weights per layer (wp[l * 7 + j]): input norm
+   (0: xin is the attention input, l == 0 only), Wqkv [(hq + 2 hkv) D, in], its bias or 0, Wo [H, hq D],
+   post-attention norm, Wgu [2I, H], Wdown [H, I]. x [n, H] the residual stream (updated in place);
+   cos/sin [n, D]; K of layer l, head h at kv + l * s_layer + h * s_head ([cap, D] rows), V s_kv
+   further; the new tokens' entries written at past..past+n-1; blk [n][n] (uint8) which new
+   columns each token sees, 0 = causal; feats [n][nf][H] gets x at the input of layer fl[f]. wb
+   (bf16) and wf (fp32) are work buffers of sizes layer_work() below. */
+void sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, float scale, const int64_t *wp,
+               const uint16_t *xin, int in_dim, uint16_t *x, const uint16_t *cs, const uint16_t *sn, uint16_t *kv,
+               int64_t s_layer, int64_t s_kv, int64_t s_head, int past, const uint8_t *blk, const int32_t *fl,
+               int nf, uint16_t *feats, uint16_t *wb, float *wf) {
+    int nqkv = (hq + 2 * hkv) * D, wide = in_dim > H ? in_dim : H;
+    uint16_t *h = wb, *qkv = h + (int64_t)n * wide, *ao = qkv + (int64_t)n * nqkv, *o = ao + (int64_t)n * hq * D;
+    uint16_t *gu = o + (int64_t)n * H, *m = gu + (int64_t)n * 2 * I;
+    float *qf = wf, *of = qf + (int64_t)n * hq * D;
+    int32_t lens = past, counts = n, first = 0;
+    for (int l = 0; l < L; l++) {
+        const int64_t *p = wp + (int64_t)l * 7;
+        for (int f = 0; f < nf; f++)
+            if (fl[f] == l)
+                for (int t = 0; t < n; t++)
+                    for (int i = 0; i < H; i++) feats[((int64_t)t * nf + f) * H + i] = x[(int64_t)t * H + i];
+        const uint16_t *ain = xin;
+        int k_in = in_dim;
+        if (p[0]) { norm_rows(x, (const uint16_t *)p[0], h, n, H, eps); ain = h; k_in = H; }
+        sf_gemv_dpbf16(ain, (const uint16_t *)p[1], (const uint16_t *)p[2], qkv, n, k_in, nqkv);
+        uint16_t *K = kv + l * s_layer, *V = K + s_kv;
+        for (int t = 0; t < n; t++) {
+            const uint16_t *row = qkv + (int64_t)t * nqkv, *c = cs + (int64_t)t * D, *s = sn + (int64_t)t * D;
+            for (int hh = 0; hh < hq; hh++)
+                for (int d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(qf + ((int64_t)t * hq + hh) * D + d, rope16(row + hh * D, c, s, d, D));
+            for (int hh = 0; hh < hkv; hh++) {
+                uint16_t *kr = K + hh * s_head + (int64_t)(past + t) * D, *vr = V + hh * s_head + (int64_t)(past + t) * D;
+                for (int d = 0; d < D; d += 16) st16(kr + d, rope16(row + (hq + hh) * D, c, s, d, D));
+                for (int d = 0; d < D; d++) vr[d] = row[(hq + hkv + hh) * D + d];
+            }
+        }
+        sf_attn_rows(qf, K, V, 0, s_head, &lens, &counts, &first, blk, n, 1, hq, hkv, D, scale, of);
+        for (int64_t i = 0; i < (int64_t)n * hq * D; i += 16) st16(ao + i, _mm512_loadu_ps(of + i));
+        sf_gemv_dpbf16(ao, (const uint16_t *)p[3], 0, o, n, hq * D, H);
+        for (int64_t i = 0; i < (int64_t)n * H; i += 16) st16(x + i, _mm512_add_ps(ld16(x + i), ld16(o + i)));
+        norm_rows(x, (const uint16_t *)p[4], h, n, H, eps);
+        sf_gemv_dpbf16(h, (const uint16_t *)p[5], 0, gu, n, H, 2 * I);
+        for (int t = 0; t < n; t++)
+            for (int i = 0; i < I; i += 16) {
+                __m512 g = ld16(gu + (int64_t)t * 2 * I + i), u = ld16(gu + (int64_t)t * 2 * I + I + i);
+                __m512 ax = _mm512_abs_ps(g), e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), ax));  /* exp(-|g|) <= 1 */
+                __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+                __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+                __m512 sig = _mm512_mask_mul_ps(inv, neg, inv, e);  /* sigmoid: 1/(1+e) or e/(1+e) */
+                st16(m + (int64_t)t * I + i, _mm512_mul_ps(rnd(_mm512_mul_ps(g, sig)), u));
+            }
+        sf_gemv_dpbf16(m, (const uint16_t *)p[6], 0, o, n, I, H);
+        for (int64_t i = 0; i < (int64_t)n * H; i += 16) st16(x + i, _mm512_add_ps(ld16(x + i), ld16(o + i)));
+    }
+}
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    # one library: the few-row product and the attention kernel are compiled in with the layer loop
+    source = cpu_gemv._SOURCE_BF16 + cpu_attention._SOURCE_DECODE + _LAYER
+    args = [i32] * 7 + [f32, f32, p, p, i32, p, p, p, p, i64, i64, i64, i32, p, p, i32, p, p, p]
+    return build("sflayers", source, {"sf_layers": args}, isa=AVX512_BF16)
+
+
+def unavailable_reason() -> str | None:
+    """None when the layer kernel can run here, else why not."""
+    return _load()[1]
+
+
+def available() -> bool:
+    return _load()[0] is not None
+
+
+def supports(hidden: int, intermediate: int, head_dim: int, dtype: torch.dtype, n: int) -> bool:
+    """Whether :func:`run_layers` takes ``n`` new tokens of layers of these sizes here."""
+    return (dtype == torch.bfloat16 and 1 <= n <= MAX_TOKENS and hidden % 32 == 0 and intermediate % 16 == 0
+            and head_dim % 32 == 0 and head_dim <= cpu_attention.MAX_HEAD_DIM and available())
+
+
+def layer_table(layers: list[dict]) -> torch.Tensor:
+    """The C side's weight table ``[L, 7]`` (addresses) of layer dicts with keys ``ln1`` (or None),
+    ``wqkv``, ``bqkv`` (or None), ``wo``, ``ln2``, ``w_gu``, ``w_down`` (contiguous bf16 tensors). The
+    caller keeps the tensors alive as long as the table."""
+    keys = ("ln1", "wqkv", "bqkv", "wo", "ln2", "w_gu", "w_down")
+    for w in layers:
+        for k in keys:
+            t = w[k]
+            if t is not None and (t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device.type != "cpu"):
+                raise ValueError(f"layer weight {k} must be a contiguous CPU bf16 tensor, got {t.dtype} {tuple(t.shape)}")
+    return torch.tensor([[0 if w[k] is None else w[k].data_ptr() for k in keys] for w in layers], dtype=torch.int64)
+
+
+def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor,
+               past: int, block: torch.Tensor | None, *, heads: tuple[int, int], intermediate: int, eps: float,
+               scale: float, feature_layers: tuple[int, ...] = (), xin: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, list]:
+    """The layers of ``table`` over the residual stream ``x`` ``[1, n, H]`` (bf16; a new tensor is
+    returned, ``x`` is not changed): ``cos``/``sin`` ``[1, n, 1, D]``; ``layer_kv`` the cache
+    ``[L, 2, 1, hkv, capacity, D]`` (the new K/V written at ``past``); ``block`` ``[1, n, n]`` bool
+    or None (causal); ``heads`` ``(hq, hkv)``. ``xin`` ``[1, n, in]``: the first layer's attention
+    input when its table row has no input norm (an EAGLE-3 head's 2H-wide input). Returns (x after
+    the layers, ``[(i, x at the input of layer i)]`` for ``feature_layers`` below ``L``)."""
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(f"the layer kernel is unavailable: {unavailable_reason()}")
+    hq, hkv = heads
+    L = table.shape[0]
+    _, n, H = x.shape
+    D = layer_kv.shape[-1]
+    if layer_kv.shape[0] != L or layer_kv.shape[2] != 1 or layer_kv.stride(-2) != D or layer_kv.stride(-1) != 1:
+        raise ValueError(f"cache {tuple(layer_kv.shape)} does not fit {L} layers of one sequence")
+    if past + n > layer_kv.shape[-2]:
+        raise ValueError(f"{past} + {n} entries exceed the cache's {layer_kv.shape[-2]}")
+    x = x.reshape(n, H).contiguous().clone()
+    in_dim = H if xin is None else xin.shape[-1]
+    if xin is not None:
+        xin = xin.reshape(n, in_dim).contiguous()
+    want = [i for i in feature_layers if 0 <= i < L]
+    feats = torch.empty(n, max(len(want), 1), H, dtype=torch.bfloat16)
+    fl = torch.tensor(want or [-1], dtype=torch.int32)
+    nqkv = (hq + 2 * hkv) * D
+    wb = torch.empty(n * (max(in_dim, H) + nqkv + hq * D + H + 3 * intermediate), dtype=torch.bfloat16)
+    wf = torch.empty(2 * n * hq * D, dtype=torch.float32)
+    c = cos.reshape(n, D).contiguous()
+    s = sin.reshape(n, D).contiguous()
+    b8 = None if block is None or n == 1 else block.reshape(n, n).to(torch.uint8).contiguous()
+    lib.sf_layers(n, L, H, hq, hkv, D, intermediate, float(eps), float(scale), table.data_ptr(),
+                  None if xin is None else xin.data_ptr(), in_dim, x.data_ptr(), c.data_ptr(), s.data_ptr(),
+                  layer_kv.data_ptr(), layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(3), past,
+                  None if b8 is None else b8.data_ptr(), fl.data_ptr(), len(want), feats.data_ptr(),
+                  wb.data_ptr(), wf.data_ptr())
+    return x.view(1, n, H), [(i, feats[:, j].unsqueeze(0)) for j, i in enumerate(want)]
+

@@ -1,0 +1,136 @@
+"""All decoder layers of one sequence's step in one C call (runtime/cpu_layers.py): the engine's
+decode and verification forwards and the EAGLE heads' drafting layer on it equal the op-by-op
+forward within bf16 rounding (logits, requested features, the K/V written), with Q/K/V biases
+(Qwen2) and tree masks; greedy speculation stays the plain output through it; bad inputs are
+refused. Not run on CPUs without avx512_bf16 (the engine keeps the op-by-op forward there)."""
+
+import pytest
+import torch
+from tiny_models import assert_greedy_speculation_is_plain, tiny_llama
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from specfoundry.runtime import cpu_layers, load_drafter
+from specfoundry.runtime.engine import LlamaEngine
+from specfoundry.runtime.models import wrap_target
+from specfoundry.runtime.tree import ancestor_matrix, tree_depths
+
+pytestmark = pytest.mark.skipif(not cpu_layers.available(),
+                                reason=f"layer kernel unavailable: {cpu_layers.unavailable_reason()}")
+
+FEW_ROW = ("avx512bf16", "avx512bf16", "avx512bf16")
+
+
+def _target(arch: str = "llama", seed: int = 0, init_std: float = 0.02):
+    if arch == "llama":
+        target = tiny_llama(seed, vocab=96, hidden=128, layers=3, dtype=torch.bfloat16, init_std=init_std)
+    else:  # Qwen2: biases on Q/K/V
+        torch.manual_seed(seed)
+        cfg = Qwen2Config(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          initializer_range=init_std, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+        with torch.no_grad():  # HF initialises biases to zero: make them matter
+            for layer in model.model.layers:
+                for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    lin.bias.normal_(0, 0.5)
+        target = wrap_target(model, name="tiny-qwen2", backend="engine")
+    target.engine = LlamaEngine(target.model, kernels=FEW_ROW)
+    return target
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = cpu_layers.run_layers
+    monkeypatch.setattr(cpu_layers, "run_layers", lambda table, x, *a, **k: calls.append(x.shape[1]) or real(table, x, *a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("shape", ["one", "chain", "tree"])
+def test_engine_step_equals_the_op_by_op_forward(monkeypatch, arch, shape):
+    target = _target(arch)
+    calls = _spy(monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, 96, (1, 40), generator=g)
+    n = {"one": 1, "chain": 3, "tree": 7}[shape]
+    toks = torch.randint(0, 96, (1, n), generator=g)
+    if shape == "tree":
+        parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 4]])
+        pos, mask = 40 + tree_depths(parents), ancestor_matrix(parents)
+    else:
+        pos, mask = 40 + torch.arange(n).view(1, n), None
+    outs = {}
+    for on in (False, True):
+        target.engine.use_layer_kernel = on
+        cache = target.new_cache(capacity=64)
+        target.forward(prefix, cache)
+        cache.commit()
+        out = target.forward(toks, cache, position_ids=pos, tree_mask=mask, feature_layers=(0, 2, 3))
+        outs[on] = (out.logits.float(), out.features.float(), cache.kv[..., 40: 40 + n, :].float())
+    assert calls == [n]  # the kernel ran the step (not the 40-token prefill), and only with it on
+    (la, fa, ka), (lb, fb, kb) = outs[False], outs[True]
+    # bf16 rounding: a value may differ in its last bit (the norm's sum order, SiLU's exponential)
+    assert (la - lb).abs().max() <= 0.02 * la.abs().max()
+    assert (la.argmax(-1) == lb.argmax(-1)).float().mean() >= 0.85
+    assert torch.equal(fa[:, :, 0], fb[:, :, 0])  # layer 0's input: the embedding itself
+    assert (fa - fb).abs().max() <= 0.02 * fa.abs().max()
+    assert (ka - kb).abs().max() <= 0.02 * ka.abs().max()
+
+
+def test_greedy_speculation_equals_plain_through_it(monkeypatch):
+    target = _target()
+    calls = _spy(monkeypatch)
+    # chains exactly; a tree's nodes sit at other cache positions than after the commit (its attention
+    # sums run in another order), so a flip there must be a bf16 near-tie by the float32 check
+    assert_greedy_speculation_is_plain(target, [("ngram", {}), ("eagle3", {"tree": "chain", "depth": 3})], vocab=96)
+    assert 1 in calls and max(calls) > 1  # plain steps, verifications and head steps ran on it
+    assert_greedy_speculation_is_plain(target, [("eagle3", {"depth": 3})], vocab=96, near_ties=True)
+
+
+def test_eagle3_head_step_equals_the_op_by_op_step(monkeypatch):
+    from specfoundry.runtime.speculators.eagle import _EagleBase
+
+    target = _target()
+    head = load_drafter("eagle3", target=target, tree="chain", depth=3).head
+    torch.manual_seed(0)
+    feats = torch.randn(1, 30, len(head.feature_layers), 128).to(torch.bfloat16)
+    ids = torch.randint(0, 96, (1, 34))
+    real = _EagleBase._layer_table
+    outs = {}
+    for on in (False, True):
+        tables = []
+        monkeypatch.setattr(_EagleBase, "_layer_table", lambda *a: tables.append(real(*a)) or tables[-1] if on else None)
+        cache = head.new_cache(64)
+        x = head.step(ids[:, 1:31], head.fuse_features(feats), cache)[:, -1:]  # 30 pairs: the op-by-op path
+        cache.commit()
+        steps = [x]
+        for t in range(2):  # a chain's one-token steps, then three tokens at once
+            x = head.step(ids[:, 31 + t: 32 + t], x, cache)
+            cache.commit()
+            steps.append(x)
+        steps.append(head.step(ids[:, 31:34], torch.cat(steps, 1), cache))
+        outs[on] = torch.cat(steps, 1).float()
+        if on:
+            assert sum(t is not None for t in tables) == 3  # the three short steps took the kernel
+    a, b = outs[False], outs[True]
+    assert torch.equal(a[:, 0], b[:, 0])
+    assert (a - b).abs().max() <= 0.02 * a.abs().max()
+
+
+def test_bad_inputs_are_refused():
+    target = _target()
+    eng = target.engine
+    w = dict(eng.layers[0])
+    with pytest.raises(ValueError, match="contiguous CPU bf16"):
+        cpu_layers.layer_table([{**w, "wo": w["wo"].float()}])
+    cache = target.new_cache(capacity=8)
+    cos, sin = eng.rope(torch.arange(8, 11).view(1, 3))
+    x = torch.zeros(1, 3, 128, dtype=torch.bfloat16)
+    kw = dict(heads=(eng.hq, eng.hkv), intermediate=256, eps=eng.eps, scale=eng.scale)
+    with pytest.raises(ValueError, match="exceed the cache"):
+        cpu_layers.run_layers(eng._layer_table(1, 3, None, cache.kv), x, cos, sin, cache.kv, 8, None, **kw)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_layers.run_layers(cpu_layers.layer_table([w]), x, cos, sin, cache.kv, 0, None, **kw)
+    assert not cpu_layers.supports(128, 256, 32, torch.float32, 1)
+    assert not cpu_layers.supports(128, 256, 32, torch.bfloat16, cpu_layers.MAX_TOKENS + 1)
+    assert not cpu_layers.supports(100, 256, 32, torch.bfloat16, 1)
