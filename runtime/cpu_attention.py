@@ -82,16 +82,17 @@ static inline __m256 hsum8(const __m256 *a) {
             _mm256_store_ps(kb + j * D + d, j < nc ? LOAD(X + (int64_t)(c0 + j) * D + d) : _mm256_setzero_ps())
 
 #define ATTN(NAME, KT, LOAD)                                                                         \
-void NAME(const float *q, const KT *kc, const KT *vc, int64_t s_slot, int64_t s_head,               \
-          const int32_t *lens, const int32_t *counts, const int32_t *first, const uint8_t *block,    \
-          int n, int B, int hq, int hkv, int D, float scale, float *out) {                           \
-    int g = hq / hkv;                                                                                \
+int NAME(const float *q, const KT *kc, const KT *vc, int64_t s_slot, int64_t s_head,                \
+         const int32_t *lens, const int32_t *counts, const int32_t *first, const uint8_t *block,     \
+         int n, int B, int hq, int hkv, int D, float scale, float *out) {                            \
+    int g = hq / hkv, failed = 0;                                                                    \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                                 \
     for (int bh = 0; bh < B * hkv; bh++) {                                                           \
         int b = bh / hkv, h = bh % hkv, L = lens[b], c = counts[b], W = L + c, G = g * c;            \
         int WP = (W + BLK - 1) / BLK * BLK;                                                          \
         const KT *K = kc + b * s_slot + h * s_head, *V = vc + b * s_slot + h * s_head;              \
         float *sc = (float *)aligned_alloc(32, sizeof(float) * (size_t)G * (size_t)WP);              \
+        if (!sc) { _Pragma("omp atomic write") failed = 1; continue; }  /* reported, see _check */  \
         float kb[BLK * MAXD] __attribute__((aligned(32)));                                           \
         float inv[8 * 64];  /* 1 / softmax sum per query row (G <= 8 * 64) */                        \
         __m256 vmax[8 * 64];                                                                         \
@@ -178,6 +179,7 @@ void NAME(const float *q, const KT *kc, const KT *vc, int64_t s_slot, int64_t s_
             }                                                                                        \
         free(sc);                                                                                    \
     }                                                                                                \
+    return failed;                                                                                   \
 }
 ATTN(sf_attn_bf16, uint16_t, ld_bf16)
 ATTN(sf_attn_f32, float, ld_f32)
@@ -203,10 +205,10 @@ static inline __m512 wid(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi
    from flat index first[b]); K, V bf16 [slot][hkv][cap][D] (strides s_slot, s_head elements); row b
    sees columns 0..lens[b]-1 and, among its new columns lens[b]+j, those where block[b][t][j] (uint8
    [B][nb][nb]; NULL = causal); out fp32 [T][hq][D]. D % 32 == 0, D <= 256. */
-void sf_attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int64_t s_slot, int64_t s_head,
+int sf_attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int64_t s_slot, int64_t s_head,
                   const int32_t *lens, const int32_t *counts, const int32_t *first, const uint8_t *blk, int nb,
                   int B, int hq, int hkv, int D, float scale, float *out) {
-    int g = hq / hkv;
+    int g = hq / hkv, failed = 0;
     _Pragma("omp parallel for schedule(dynamic, 1)")
     for (int bh = 0; bh < B * hq; bh++) {
         int b = bh / hq, hh = bh % hq, h = hh / g, L = lens[b], n = counts[b], W = L + n, WP = (W + 15) / 16 * 16;
@@ -215,6 +217,7 @@ void sf_attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int64_
         const float *qb0 = q + (int64_t)first[b] * hq * D;
         float *ob0 = out + (int64_t)first[b] * hq * D;
         float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)n * WP);
+        if (!sc) { _Pragma("omp atomic write") failed = 1; continue; }  /* reported, see _check */
         /* scores: per query row, 16 columns at a time: 2 bf16 dot products per column into 16 partial
            sums each, then one transposed reduction of the 16 vectors into the 16 scores */
         for (int t = 0; t < n; t++) {
@@ -280,6 +283,7 @@ void sf_attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int64_
         }
         free(sc);
     }
+    return failed;
 }
 """
 
@@ -295,15 +299,32 @@ MAX_QUERY_ROWS = 8 * 64  # g * tokens of one row: the kernel's per-(row, head) b
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     args = [p, p, p, i64, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, p]
-    return build("sfattn", _SOURCE, {"sf_attn_bf16": args, "sf_attn_f32": args})
+    return _returning_int(build("sfattn", _SOURCE, {"sf_attn_bf16": args, "sf_attn_f32": args}),
+                          "sf_attn_bf16", "sf_attn_f32")
 
 
 @functools.lru_cache(maxsize=1)
 def _load_decode() -> tuple[ctypes.CDLL | None, str | None]:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    return build("sfattnrows", _SOURCE_DECODE,
-                 {"sf_attn_rows": [p, p, p, i64, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, p]},
-                 isa=AVX512_BF16)
+    return _returning_int(build("sfattnrows", _SOURCE_DECODE,
+                                {"sf_attn_rows": [p, p, p, i64, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, p]},
+                                isa=AVX512_BF16), "sf_attn_rows")
+
+
+def _returning_int(built: tuple, *names: str) -> tuple:
+    """Declare ``names`` of a built library as returning the kernels' status (0, or 1 when a work
+    buffer could not be allocated: see :func:`check`)."""
+    if built[0] is not None:
+        for name in names:
+            getattr(built[0], name).restype = ctypes.c_int
+    return built
+
+
+def check(status: int) -> None:
+    """Raise on a kernel's non-zero status: its per-task work buffer (scores of the row's query rows
+    over its columns) could not be allocated, and the tasks that lacked one were skipped."""
+    if status:
+        raise MemoryError("the attention kernel could not allocate its score buffer")
 
 
 def decode_supports(layer_kv: torch.Tensor, batch: int, n: int) -> bool:
@@ -333,9 +354,9 @@ def decode_attention(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     b8 = None if block is None or n == 1 else block.reshape(n, n).to(torch.uint8).contiguous()
     keys, values = layer_kv[0], layer_kv[1]
     i32 = [ctypes.c_int32(v) for v in (past, n, 0)]
-    lib.sf_attn_rows(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1),
-                     *(ctypes.addressof(v) for v in i32), None if b8 is None else b8.data_ptr(), n, 1, hq,
-                     keys.shape[1], D, float(scale), out.data_ptr())
+    check(lib.sf_attn_rows(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1),
+                           *(ctypes.addressof(v) for v in i32), None if b8 is None else b8.data_ptr(), n, 1, hq,
+                           keys.shape[1], D, float(scale), out.data_ptr()))
     return out.view(1, n, hq * D).to(layer_kv.dtype)
 
 
@@ -383,6 +404,6 @@ def slot_attention(q: torch.Tensor, layer: torch.Tensor, lengths: torch.Tensor, 
     rows = _load_decode()[0]
     if rows is not None and layer.dtype == torch.bfloat16 and D % 32 == 0:
         fn = rows.sf_attn_rows  # the AVX-512 BF16 kernel, same arguments (see decode_attention)
-    fn(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), lengths.data_ptr(),
-       counts.data_ptr(), first.data_ptr(), blk.data_ptr(), n, B, hq, hkv, D, float(scale), out.data_ptr())
+    check(fn(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), lengths.data_ptr(),
+             counts.data_ptr(), first.data_ptr(), blk.data_ptr(), n, B, hq, hkv, D, float(scale), out.data_ptr()))
     return out.view(T, hq * D).to(layer.dtype)

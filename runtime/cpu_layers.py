@@ -68,8 +68,9 @@ static inline __m512 rope16(const uint16_t *h, const uint16_t *c, const uint16_t
    cos/sin [n, D]; K of layer l, head h at kv + l * s_layer + h * s_head ([cap, D] rows), V s_kv
    further; the new tokens' entries written at past..past+n-1; blk [n][n] (uint8) which new
    columns each token sees, 0 = causal; feats [n][nf][H] gets x at the input of layer fl[f]. wb
-   (bf16) and wf (fp32) are work buffers of sizes layer_work() below. */
-void sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, float scale, const int64_t *wp,
+   (bf16) and wf (fp32) are work buffers (sizes: run_layers). 0, or 1 when the attention's work buffer
+   could not be allocated (the step is then void). */
+int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, float scale, const int64_t *wp,
                const uint16_t *xin, int in_dim, uint16_t *x, const uint16_t *cs, const uint16_t *sn, uint16_t *kv,
                int64_t s_layer, int64_t s_kv, int64_t s_head, int past, const uint8_t *blk, const int32_t *fl,
                int nf, uint16_t *feats, uint16_t *wb, float *wf) {
@@ -100,7 +101,7 @@ void sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, fl
                 for (int d = 0; d < D; d++) vr[d] = row[(hq + hkv + hh) * D + d];
             }
         }
-        sf_attn_rows(qf, K, V, 0, s_head, &lens, &counts, &first, blk, n, 1, hq, hkv, D, scale, of);
+        if (sf_attn_rows(qf, K, V, 0, s_head, &lens, &counts, &first, blk, n, 1, hq, hkv, D, scale, of)) return 1;
         for (int64_t i = 0; i < (int64_t)n * hq * D; i += 16) st16(ao + i, _mm512_loadu_ps(of + i));
         sf_gemv_dpbf16(ao, (const uint16_t *)p[3], 0, o, n, hq * D, H);
         for (int64_t i = 0; i < (int64_t)n * H; i += 16) st16(x + i, _mm512_add_ps(ld16(x + i), ld16(o + i)));
@@ -118,6 +119,7 @@ void sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, fl
         sf_gemv_dpbf16(m, (const uint16_t *)p[6], 0, o, n, I, H);
         for (int64_t i = 0; i < (int64_t)n * H; i += 16) st16(x + i, _mm512_add_ps(ld16(x + i), ld16(o + i)));
     }
+    return 0;
 }
 """
 
@@ -128,7 +130,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     # one library: the few-row product and the attention kernel are compiled in with the layer loop
     source = cpu_gemv._SOURCE_BF16 + cpu_attention._SOURCE_DECODE + _LAYER
     args = [i32] * 7 + [f32, f32, p, p, i32, p, p, p, p, i64, i64, i64, i32, p, p, i32, p, p, p]
-    return build("sflayers", source, {"sf_layers": args}, isa=AVX512_BF16)
+    return cpu_attention._returning_int(build("sflayers", source, {"sf_layers": args}, isa=AVX512_BF16), "sf_layers")
 
 
 def unavailable_reason() -> str | None:
@@ -193,10 +195,11 @@ def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
     c = cos.reshape(n, D).contiguous()
     s = sin.reshape(n, D).contiguous()
     b8 = None if block is None or n == 1 else block.reshape(n, n).to(torch.uint8).contiguous()
-    lib.sf_layers(n, L, H, hq, hkv, D, intermediate, float(eps), float(scale), table.data_ptr(),
-                  None if xin is None else xin.data_ptr(), in_dim, x.data_ptr(), c.data_ptr(), s.data_ptr(),
-                  layer_kv.data_ptr(), layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(3), past,
-                  None if b8 is None else b8.data_ptr(), fl.data_ptr(), len(want), feats.data_ptr(),
-                  wb.data_ptr(), wf.data_ptr())
+    status = lib.sf_layers(n, L, H, hq, hkv, D, intermediate, float(eps), float(scale), table.data_ptr(),
+                           None if xin is None else xin.data_ptr(), in_dim, x.data_ptr(), c.data_ptr(), s.data_ptr(),
+                           layer_kv.data_ptr(), layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(3), past,
+                           None if b8 is None else b8.data_ptr(), fl.data_ptr(), len(want), feats.data_ptr(),
+                           wb.data_ptr(), wf.data_ptr())
+    cpu_attention.check(status)
     return x.view(1, n, H), [(i, feats[:, j].unsqueeze(0)) for j, i in enumerate(want)]
 

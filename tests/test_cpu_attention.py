@@ -169,3 +169,15 @@ def test_serving_greedy_through_the_kernel_equals_the_solo_generator():
         handles = [eng.submit(Request(p, max_new_tokens=20, stop_at_eos=False)) for p in ps]
         got = [h.result()[0] for h in handles]
     assert got == want
+
+
+def test_a_failed_work_buffer_allocation_is_an_error_not_a_wrong_answer():
+    # the kernels return a status (1 when a task's score buffer could not be allocated and was
+    # skipped); every caller passes it to check(), which raises instead of using the output
+    cpu_attention.check(0)
+    with pytest.raises(MemoryError, match="score buffer"):
+        cpu_attention.check(1)
+    lib = cpu_attention._load()[0]
+    assert lib.sf_attn_bf16.restype is not None and lib.sf_attn_f32.restype is not None
+    rows = cpu_attention._load_decode()[0]
+    assert rows is None or rows.sf_attn_rows.restype is not None
