@@ -32,7 +32,7 @@ import torch
 from . import cpu_attention, cpu_gemv
 from .native import AVX512_BF16, build
 
-__all__ = ["MAX_TOKENS", "available", "run_layers", "supports", "unavailable_reason"]
+__all__ = ["MAX_TOKENS", "available", "layer_table", "rms_norm", "run_layers", "supports", "unavailable_reason"]
 
 #: most new tokens per call: the few-row product's one pass (more go to the many-row kernel)
 MAX_TOKENS = cpu_gemv.MAX_ROWS
@@ -52,6 +52,11 @@ static void norm_rows(const uint16_t *x, const uint16_t *w, uint16_t *y, int n, 
         __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / H + eps));
         for (int i = 0; i < H; i += 16) st16(yr + i, _mm512_mul_ps(ld16(w + i), rnd(_mm512_mul_ps(ld16(xr + i), r))));
     }
+}
+
+/* the same norm for callers in Python (bf16 [n, H] rows) */
+void sf_rms_norm(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t n, int H, float eps) {
+    norm_rows(x, w, y, (int)n, H, eps);
 }
 
 /* rotate-half RoPE of one head (D % 32 == 0) with bf16 roundings after each product and the sum */
@@ -130,7 +135,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     # one library: the few-row product and the attention kernel are compiled in with the layer loop
     source = cpu_gemv._SOURCE_BF16 + cpu_attention._SOURCE_DECODE + _LAYER
     args = [i32] * 7 + [f32, f32, p, p, i32, p, p, p, p, i64, i64, i64, i32, p, p, i32, p, p, p]
-    return cpu_attention._returning_int(build("sflayers", source, {"sf_layers": args}, isa=AVX512_BF16), "sf_layers")
+    norm = [p, p, p, i64, i32, f32]
+    return cpu_attention._returning_int(build("sflayers", source, {"sf_layers": args, "sf_rms_norm": norm},
+                                              isa=AVX512_BF16), "sf_layers")
 
 
 def unavailable_reason() -> str | None:
@@ -146,6 +153,22 @@ def supports(hidden: int, intermediate: int, head_dim: int, dtype: torch.dtype, 
     """Whether :func:`run_layers` takes ``n`` new tokens of layers of these sizes here."""
     return (dtype == torch.bfloat16 and 1 <= n <= MAX_TOKENS and hidden % 32 == 0 and intermediate % 16 == 0
             and head_dim % 32 == 0 and head_dim <= cpu_attention.MAX_HEAD_DIM and available())
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """HF's ``LlamaRMSNorm`` of bf16 ``x`` ``[..., H]`` (the layers' own norm, one C call instead of ~9
+    ops), or None where it does not apply (another dtype, H % 16, non-contiguous rows, no kernel)."""
+    H = x.shape[-1]
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or H % 16 or x.device.type != "cpu" \
+            or not w.is_contiguous() or w.shape != (H,):
+        return None
+    lib = _load()[0]
+    if lib is None:
+        return None
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    lib.sf_rms_norm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // H, H, float(eps))
+    return y
 
 
 def layer_table(layers: list[dict]) -> torch.Tensor:

@@ -80,7 +80,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float64:  # tests: HF's exact op order (its float32 round trip included)
         xf = x.float()
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    y = cpu_layers.rms_norm(x, w, eps)  # bf16 on CPUs with avx512_bf16: one C call (~9 ops otherwise)
+    return y if y is not None else w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 class RopeTable:

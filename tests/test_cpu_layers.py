@@ -134,3 +134,20 @@ def test_bad_inputs_are_refused():
     assert not cpu_layers.supports(128, 256, 32, torch.float32, 1)
     assert not cpu_layers.supports(128, 256, 32, torch.bfloat16, cpu_layers.MAX_TOKENS + 1)
     assert not cpu_layers.supports(100, 256, 32, torch.bfloat16, 1)
+
+
+def test_rms_norm_is_hfs_norm():
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 5, 64):
+        x = (torch.randn(2, n, 192, generator=g) * 40).to(torch.bfloat16)  # activations of ~1e2
+        w = (torch.rand(192, generator=g) + 0.5).to(torch.bfloat16)
+        want = (w * F.rms_norm(x.float(), (192,), None, 1e-5).to(torch.bfloat16)).float()
+        got = cpu_layers.rms_norm(x, w, 1e-5)
+        assert got.shape == x.shape and got.dtype == torch.bfloat16
+        diff = (got.float() - want).abs()
+        # bf16 roundings in HF's places; the sum of squares in another order may move a last bit
+        assert (diff <= want.abs() * 2 ** -7).all() and (diff > 0).float().mean() < 0.01
+    assert cpu_layers.rms_norm(x.float(), w.float(), 1e-5) is None  # other dtypes: the caller's ops
+    assert cpu_layers.rms_norm(x[..., :100], w[:100], 1e-5) is None  # H % 16
