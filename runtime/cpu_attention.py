@@ -204,14 +204,16 @@ static inline __m512 wid(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi
 /* rows b < B of a slot cache, each over its own columns: q fp32 [T][hq][D] (row b's counts[b] tokens
    from flat index first[b]); K, V bf16 [slot][hkv][cap][D] (strides s_slot, s_head elements); row b
    sees columns 0..lens[b]-1 and, among its new columns lens[b]+j, those where block[b][t][j] (uint8
-   [B][nb][nb]; NULL = causal); out fp32 [T][hq][D]. D % 32 == 0, D <= 256. */
+   [B][nb][nb]; NULL = causal); out fp32 [T][hq][D]. D % 32 == 0, D <= 256. bw > 0 (one row, a drafting
+   head's tree): the block [n][bw] covers the last bw columns (the new ones and earlier drafts), nb == bw. */
 int sf_attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int64_t s_slot, int64_t s_head,
                   const int32_t *lens, const int32_t *counts, const int32_t *first, const uint8_t *blk, int nb,
-                  int B, int hq, int hkv, int D, float scale, float *out) {
+                  int B, int hq, int hkv, int D, float scale, float *out, int bw) {
     int g = hq / hkv, failed = 0;
     _Pragma("omp parallel for schedule(dynamic, 1)")
     for (int bh = 0; bh < B * hq; bh++) {
-        int b = bh / hq, hh = bh % hq, h = hh / g, L = lens[b], n = counts[b], W = L + n, WP = (W + 15) / 16 * 16;
+        int b = bh / hq, hh = bh % hq, h = hh / g, n = counts[b], W = lens[b] + n, WP = (W + 15) / 16 * 16;
+        int L = bw ? W - bw : lens[b];  /* where the block's columns start (bw: a block over more than the new ones) */
         const uint16_t *Kh = Kc + b * s_slot + h * s_head, *Vh = Vc + b * s_slot + h * s_head;
         const uint8_t *block = blk ? blk + (int64_t)b * nb * nb : 0;
         const float *qb0 = q + (int64_t)first[b] * hq * D;
@@ -307,7 +309,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 def _load_decode() -> tuple[ctypes.CDLL | None, str | None]:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     return _returning_int(build("sfattnrows", _SOURCE_DECODE,
-                                {"sf_attn_rows": [p, p, p, i64, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, p]},
+                                {"sf_attn_rows": [p, p, p, i64, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, p, i32]},
                                 isa=AVX512_BF16), "sf_attn_rows")
 
 
@@ -356,7 +358,7 @@ def decode_attention(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     i32 = [ctypes.c_int32(v) for v in (past, n, 0)]
     check(lib.sf_attn_rows(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1),
                            *(ctypes.addressof(v) for v in i32), None if b8 is None else b8.data_ptr(), n, 1, hq,
-                           keys.shape[1], D, float(scale), out.data_ptr()))
+                           keys.shape[1], D, float(scale), out.data_ptr(), 0))
     return out.view(1, n, hq * D).to(layer_kv.dtype)
 
 
@@ -404,6 +406,7 @@ def slot_attention(q: torch.Tensor, layer: torch.Tensor, lengths: torch.Tensor, 
     rows = _load_decode()[0]
     if rows is not None and layer.dtype == torch.bfloat16 and D % 32 == 0:
         fn = rows.sf_attn_rows  # the AVX-512 BF16 kernel, same arguments (see decode_attention)
-    check(fn(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), lengths.data_ptr(),
-             counts.data_ptr(), first.data_ptr(), blk.data_ptr(), n, B, hq, hkv, D, float(scale), out.data_ptr()))
+    args = [qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), lengths.data_ptr(),
+            counts.data_ptr(), first.data_ptr(), blk.data_ptr(), n, B, hq, hkv, D, float(scale), out.data_ptr()]
+    check(fn(*args, 0) if fn is getattr(rows, "sf_attn_rows", None) else fn(*args))
     return out.view(T, hq * D).to(layer.dtype)

@@ -72,13 +72,14 @@ static inline __m512 rope16(const uint16_t *h, const uint16_t *c, const uint16_t
    post-attention norm, Wgu [2I, H], Wdown [H, I]. x [n, H] the residual stream (updated in place);
    cos/sin [n, D]; K of layer l, head h at kv + l * s_layer + h * s_head ([cap, D] rows), V s_kv
    further; the new tokens' entries written at past..past+n-1; blk [n][n] (uint8) which new
-   columns each token sees, 0 = causal; feats [n][nf][H] gets x at the input of layer fl[f]. wb
+   columns each token sees, 0 = causal (bw > 0: blk [n][bw] over the last bw columns, earlier drafts
+   of a head's tree included); feats [n][nf][H] gets x at the input of layer fl[f]. wb
    (bf16) and wf (fp32) are work buffers (sizes: run_layers). 0, or 1 when the attention's work buffer
    could not be allocated (the step is then void). */
 int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, float scale, const int64_t *wp,
                const uint16_t *xin, int in_dim, uint16_t *x, const uint16_t *cs, const uint16_t *sn, uint16_t *kv,
                int64_t s_layer, int64_t s_kv, int64_t s_head, int past, const uint8_t *blk, const int32_t *fl,
-               int nf, uint16_t *feats, uint16_t *wb, float *wf) {
+               int nf, uint16_t *feats, uint16_t *wb, float *wf, int bw) {
     int nqkv = (hq + 2 * hkv) * D, wide = in_dim > H ? in_dim : H;
     uint16_t *h = wb, *qkv = h + (int64_t)n * wide, *ao = qkv + (int64_t)n * nqkv, *o = ao + (int64_t)n * hq * D;
     uint16_t *gu = o + (int64_t)n * H, *m = gu + (int64_t)n * 2 * I;
@@ -106,7 +107,8 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
                 for (int d = 0; d < D; d++) vr[d] = row[(hq + hkv + hh) * D + d];
             }
         }
-        if (sf_attn_rows(qf, K, V, 0, s_head, &lens, &counts, &first, blk, n, 1, hq, hkv, D, scale, of)) return 1;
+        if (sf_attn_rows(qf, K, V, 0, s_head, &lens, &counts, &first, blk, bw ? bw : n, 1, hq, hkv, D, scale, of, bw))
+            return 1;
         for (int64_t i = 0; i < (int64_t)n * hq * D; i += 16) st16(ao + i, _mm512_loadu_ps(of + i));
         sf_gemv_dpbf16(ao, (const uint16_t *)p[3], 0, o, n, hq * D, H);
         for (int64_t i = 0; i < (int64_t)n * H; i += 16) st16(x + i, _mm512_add_ps(ld16(x + i), ld16(o + i)));
@@ -134,7 +136,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     # one library: the few-row product and the attention kernel are compiled in with the layer loop
     source = cpu_gemv._SOURCE_BF16 + cpu_attention._SOURCE_DECODE + _LAYER
-    args = [i32] * 7 + [f32, f32, p, p, i32, p, p, p, p, i64, i64, i64, i32, p, p, i32, p, p, p]
+    args = [i32] * 7 + [f32, f32, p, p, i32, p, p, p, p, i64, i64, i64, i32, p, p, i32, p, p, p, i32]
     norm = [p, p, p, i64, i32, f32]
     return cpu_attention._returning_int(build("sflayers", source, {"sf_layers": args, "sf_rms_norm": norm},
                                               isa=AVX512_BF16), "sf_layers")
@@ -190,8 +192,9 @@ def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
                ) -> tuple[torch.Tensor, list]:
     """The layers of ``table`` over the residual stream ``x`` ``[1, n, H]`` (bf16; a new tensor is
     returned, ``x`` is not changed): ``cos``/``sin`` ``[1, n, 1, D]``; ``layer_kv`` the cache
-    ``[L, 2, 1, hkv, capacity, D]`` (the new K/V written at ``past``); ``block`` ``[1, n, n]`` bool
-    or None (causal); ``heads`` ``(hq, hkv)``. ``xin`` ``[1, n, in]``: the first layer's attention
+    ``[L, 2, 1, hkv, capacity, D]`` (the new K/V written at ``past``); ``block`` ``[1, n, k]`` bool over
+    the last ``k`` columns, the ``n`` new ones included (``k > n``: a drafting head's tree), everything
+    before them visible, or None (causal); ``heads`` ``(hq, hkv)``. ``xin`` ``[1, n, in]``: the first layer's attention
     input when its table row has no input norm (an EAGLE-3 head's 2H-wide input). Returns (x after
     the layers, ``[(i, x at the input of layer i)]`` for ``feature_layers`` below ``L``)."""
     lib = _load()[0]
@@ -217,12 +220,15 @@ def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
     wf = torch.empty(2 * n * hq * D, dtype=torch.float32)
     c = cos.reshape(n, D).contiguous()
     s = sin.reshape(n, D).contiguous()
-    b8 = None if block is None or n == 1 else block.reshape(n, n).to(torch.uint8).contiguous()
+    bw = 0 if block is None or block.shape[-1] == n else block.shape[-1]  # a head's tree: earlier drafts too
+    if bw and not n < bw <= past + n:
+        raise ValueError(f"block over {bw} columns for {n} new tokens after {past}")
+    b8 = None if block is None or (n == 1 and not bw) else block.reshape(n, -1).to(torch.uint8).contiguous()
     status = lib.sf_layers(n, L, H, hq, hkv, D, intermediate, float(eps), float(scale), table.data_ptr(),
                            None if xin is None else xin.data_ptr(), in_dim, x.data_ptr(), c.data_ptr(), s.data_ptr(),
                            layer_kv.data_ptr(), layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(3), past,
                            None if b8 is None else b8.data_ptr(), fl.data_ptr(), len(want), feats.data_ptr(),
-                           wb.data_ptr(), wf.data_ptr())
+                           wb.data_ptr(), wf.data_ptr(), bw)
     cpu_attention.check(status)
     return x.view(1, n, H), [(i, feats[:, j].unsqueeze(0)) for j, i in enumerate(want)]
 

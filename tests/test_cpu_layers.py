@@ -92,6 +92,9 @@ def test_eagle3_head_step_equals_the_op_by_op_step(monkeypatch):
 
     target = _target()
     head = load_drafter("eagle3", target=target, tree="chain", depth=3).head
+    with torch.no_grad():  # an untrained head's attention barely moves its output: make it count
+        for lin, f in (("q_proj", 4), ("k_proj", 4), ("v_proj", 8), ("o_proj", 8)):
+            getattr(head.layer.self_attn, lin).weight.mul_(f)
     torch.manual_seed(0)
     feats = torch.randn(1, 30, len(head.feature_layers), 128).to(torch.bfloat16)
     ids = torch.randint(0, 96, (1, 34))
@@ -108,10 +111,14 @@ def test_eagle3_head_step_equals_the_op_by_op_step(monkeypatch):
             x = head.step(ids[:, 31 + t: 32 + t], x, cache)
             cache.commit()
             steps.append(x)
-        steps.append(head.step(ids[:, 31:34], torch.cat(steps, 1), cache))
+        steps.append(head.step(ids[:, 31:34], torch.cat(steps[:3], 1), cache))
+        cache.commit()
+        # a tree's next depth: 2 nodes whose block covers the 3 drafts before them (k = 5 > n = 2)
+        block = torch.tensor([[[1, 0, 1, 1, 0], [0, 1, 1, 0, 1]]], dtype=torch.bool)
+        steps.append(head.step(ids[:, 32:34], steps[-1][:, :2], cache, position_ids=torch.tensor([[33, 33]]), block=block))
         outs[on] = torch.cat(steps, 1).float()
         if on:
-            assert sum(t is not None for t in tables) == 3  # the three short steps took the kernel
+            assert sum(t is not None for t in tables) == 4  # the four short steps took the kernel
     a, b = outs[False], outs[True]
     assert torch.equal(a[:, 0], b[:, 0])
     assert (a - b).abs().max() <= 0.02 * a.abs().max()

@@ -56,6 +56,36 @@ def test_decode_attention_equals_float64_and_is_closer_than_sdpa(D, n, past):
     assert err <= 8e-3 * ref.abs().max() and err <= sdpa_err + 4e-3 * ref.abs().max()
 
 
+@pytest.mark.parametrize("n,bw", [(1, 3), (2, 5), (4, 12)])
+def test_a_block_over_earlier_drafts_equals_float64(n, bw):
+    # a drafting head's tree (the layer kernel's bw > 0): the block [n, bw] covers the last bw columns,
+    # earlier drafts included; columns before them are all visible
+    import ctypes
+
+    g = torch.Generator().manual_seed(n * 100 + bw)
+    hq, hkv, D, past = 4, 2, 64, 30  # past: columns before the new tokens (the earlier drafts among them)
+    W = past + n
+    layer = torch.randn(2, 1, hkv, W + 2, D, generator=g).bfloat16()
+    q = torch.randn(n, hq, D, generator=g).bfloat16()
+    block = torch.rand(n, bw, generator=g) < 0.5
+    block[:, bw - n:] = torch.eye(n, dtype=torch.bool)  # each new token sees itself, not its siblings
+    allow = torch.ones(n, W, dtype=torch.bool)
+    allow[:, W - bw:] = block
+    K = layer[0, 0, :, :W].double().repeat_interleave(hq // hkv, 0)
+    V = layer[1, 0, :, :W].double().repeat_interleave(hq // hkv, 0)
+    p = torch.softmax((torch.einsum("nhd,hcd->hnc", q.double(), K) * D ** -0.5).masked_fill(~allow, float("-inf")), -1)
+    ref = torch.einsum("hnc,hcd->nhd", p, V)
+    out = torch.empty(n, hq, D)
+    qf, b8 = q.float().contiguous(), block.to(torch.uint8).contiguous()
+    keys, values = layer[0], layer[1]
+    i32 = [ctypes.c_int32(v) for v in (past, n, 0)]
+    status = cpu_attention._load_decode()[0].sf_attn_rows(
+        qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1),
+        *(ctypes.addressof(v) for v in i32), b8.data_ptr(), bw, 1, hq, hkv, D, D ** -0.5, out.data_ptr(), bw)
+    assert status == 0
+    assert (out.double() - ref).abs().max() <= 1e-4 * ref.abs().max()  # fp32 sums of exact bf16 inputs
+
+
 def test_a_chain_tokens_output_is_the_same_bits_alone():
     # a chain verified in one step, then each of its tokens decoded alone over the same columns:
     # masked columns weigh exactly 0 and do not move the sums, so the outputs are equal bit for bit

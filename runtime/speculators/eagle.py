@@ -284,12 +284,12 @@ class _EagleBase(nn.Module):
 
     def _layer_table(self, B: int, n: int, block: torch.Tensor | None, cache: StaticKVCache) -> torch.Tensor | None:
         """The :func:`.cpu_layers.run_layers` weight table of the decoder layer when that runs this
-        step (the engine's AVX-512 BF16 products for ``n`` rows, one sequence, a block over the new
-        tokens only, bf16), else None. Built per step from the prepared weights (a re-prepared weight
+        step (the engine's AVX-512 BF16 products for ``n`` rows, one sequence, bf16; a tree's block
+        may cover earlier drafts), else None. Built per step from the prepared weights (a re-prepared weight
         is picked up)."""
         run = self.__dict__.get("_linears")
         if run is None or B != 1 or kernel_for(run.kernels, n) != "avx512bf16" or self.dtype != torch.bfloat16 \
-                or (block is not None and block.shape[-1] != n) or not cache.kv.is_contiguous():
+                or not cache.kv.is_contiguous():
             return None
         a = self.architecture
         if not cpu_layers.supports(a["hidden_size"], a["intermediate_size"], a["head_dim"], self.dtype, n):
