@@ -32,7 +32,7 @@ import torch
 from . import cpu_attention, cpu_gemv
 from .native import AVX512_BF16, build
 
-__all__ = ["MAX_TOKENS", "available", "layer_table", "rms_norm", "run_layers", "supports", "unavailable_reason"]
+__all__ = ["MAX_TOKENS", "argmax", "available", "layer_table", "rms_norm", "run_layers", "supports", "unavailable_reason"]
 
 #: most new tokens per call: the few-row product's one pass (more go to the many-row kernel)
 MAX_TOKENS = cpu_gemv.MAX_ROWS
@@ -54,9 +54,42 @@ static void norm_rows(const uint16_t *x, const uint16_t *w, uint16_t *y, int n, 
     }
 }
 
-/* the same norm for callers in Python (bf16 [n, H] rows) */
-void sf_rms_norm(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t n, int H, float eps) {
-    norm_rows(x, w, y, (int)n, H, eps);
+/* the same norm for callers in Python: bf16 [n, H] rows, row r scaled by weight r % nw ([nw, H]: an
+   EAGLE-3 head's one norm per feature layer over features [.., nw, H]) */
+void sf_rms_norm(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t n, int H, float eps, int nw) {
+    for (int64_t r = 0; r < n; r++)
+        norm_rows(x + r * H, w + (int64_t)(r % nw) * H, y + r * H, 1, H, eps);
+}
+
+/* first index of the largest value of each bf16 row [n, V] (a NaN counts as largest, as in torch) */
+void sf_argmax_bf16(const uint16_t *x, int64_t n, int64_t V, int64_t *out) {
+    for (int64_t r = 0; r < n; r++) {
+        const uint16_t *row = x + r * V;
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        __m512i bidx = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        int64_t i = 0, at = -1;
+        float m = -INFINITY;
+        for (; i + 16 <= V; i += 16) {  /* per lane: its largest value and that value's first index */
+            __m512 v = ld16(row + i);
+            __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            if (nan) { at = i + __builtin_ctz(nan); break; }
+            __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+            best = _mm512_mask_mov_ps(best, gt, v);
+            bidx = _mm512_mask_mov_epi32(bidx, gt, idx);
+            idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+        }
+        if (at >= 0) { out[r] = at; continue; }
+        if (i > 0) {  /* the lanes' largest, its lowest index (all -inf: index 0) */
+            m = _mm512_reduce_max_ps(best);
+            at = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ), bidx);
+        }
+        for (; i < V; i++) {  /* the last V % 16 */
+            float v = from_bf16(row[i]);
+            if (v != v) { at = i; break; }
+            if (at < 0 || v > m) { m = v; at = i; }
+        }
+        out[r] = at;
+    }
 }
 
 /* rotate-half RoPE of one head (D % 32 == 0) with bf16 roundings after each product and the sum */
@@ -137,9 +170,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     # one library: the few-row product and the attention kernel are compiled in with the layer loop
     source = cpu_gemv._SOURCE_BF16 + cpu_attention._SOURCE_DECODE + _LAYER
     args = [i32] * 7 + [f32, f32, p, p, i32, p, p, p, p, i64, i64, i64, i32, p, p, i32, p, p, p, i32]
-    norm = [p, p, p, i64, i32, f32]
-    return cpu_attention._returning_int(build("sflayers", source, {"sf_layers": args, "sf_rms_norm": norm},
-                                              isa=AVX512_BF16), "sf_layers")
+    fns = {"sf_layers": args, "sf_rms_norm": [p, p, p, i64, i32, f32, i32], "sf_argmax_bf16": [p, i64, i64, p]}
+    return cpu_attention._returning_int(build("sflayers", source, fns, isa=AVX512_BF16), "sf_layers")
 
 
 def unavailable_reason() -> str | None:
@@ -159,18 +191,33 @@ def supports(hidden: int, intermediate: int, head_dim: int, dtype: torch.dtype, 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
     """HF's ``LlamaRMSNorm`` of bf16 ``x`` ``[..., H]`` (the layers' own norm, one C call instead of ~9
-    ops), or None where it does not apply (another dtype, H % 16, non-contiguous rows, no kernel)."""
+    ops), or None where it does not apply (another dtype, H % 16, no kernel). ``w`` ``[H]``, or
+    ``[F, H]`` for ``x`` ``[..., F, H]``: one weight per feature layer (an EAGLE-3 head's norms)."""
     H = x.shape[-1]
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or H % 16 or x.device.type != "cpu" \
-            or not w.is_contiguous() or w.shape != (H,):
+            or w.shape[-1] != H or w.dim() > 2 or (w.dim() == 2 and (x.dim() < 2 or x.shape[-2] != w.shape[0])):
+        return None
+    lib = _load()[0]
+    if lib is None:
+        return None
+    x, w = x.contiguous(), w.contiguous()
+    y = torch.empty_like(x)
+    lib.sf_rms_norm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // H, H, float(eps), w.numel() // H)
+    return y
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """``x.argmax(-1)`` of bf16 logits (first maximal index, NaN counting as maximal) in one C pass
+    over the bf16 values, or None where it does not apply (another dtype, no kernel)."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] == 0:
         return None
     lib = _load()[0]
     if lib is None:
         return None
     x = x.contiguous()
-    y = torch.empty_like(x)
-    lib.sf_rms_norm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // H, H, float(eps))
-    return y
+    out = torch.empty(x.shape[:-1], dtype=torch.long)
+    lib.sf_argmax_bf16(x.data_ptr(), out.numel(), x.shape[-1], out.data_ptr())
+    return out
 
 
 def layer_table(layers: list[dict]) -> torch.Tensor:

@@ -158,3 +158,35 @@ def test_rms_norm_is_hfs_norm():
         assert (diff <= want.abs() * 2 ** -7).all() and (diff > 0).float().mean() < 0.01
     assert cpu_layers.rms_norm(x.float(), w.float(), 1e-5) is None  # other dtypes: the caller's ops
     assert cpu_layers.rms_norm(x[..., :100], w[:100], 1e-5) is None  # H % 16
+
+
+def test_argmax_is_torchs_argmax():
+    from specfoundry.runtime.sampling import argmax
+
+    g = torch.Generator().manual_seed(0)
+    for V in (1, 15, 16, 49152, 1000):
+        x = (torch.randn(5, V, generator=g) * 4).to(torch.bfloat16)  # bf16: many exact ties
+        x[1] = x[1].round()  # ties everywhere: the first index wins
+        x[2, : V // 2] = float("-inf")
+        x[3] = float("-inf")
+        if V > 3:
+            x[4, V // 3] = float("nan")  # torch: a NaN counts as the maximum
+            x[4, V - 1] = float("nan")
+        want = x.float().argmax(-1)
+        assert torch.equal(cpu_layers.argmax(x), want), V
+        assert torch.equal(argmax(x.view(1, 5, V)), want.view(1, 5))  # the verifier's argmax takes it
+    assert cpu_layers.argmax(x.float()) is None
+
+
+def test_eagle3_feature_fusion_in_one_norm_call_equals_the_per_layer_norms():
+    target = _target()
+    head = load_drafter("eagle3", target=target).head
+    with torch.no_grad():
+        for i, norm in enumerate(head.feature_norms):  # distinct weights: a mixed-up layer would show
+            norm.weight.copy_(torch.linspace(0.5, 1.5, 128).roll(40 * i))
+    feats = (torch.randn(1, 7, len(head.feature_layers), 128, generator=torch.Generator().manual_seed(0)) * 50)
+    feats = feats.to(torch.bfloat16)
+    with torch.inference_mode():
+        fused = head.fuse_features(feats)
+        per_layer = head._lin(head.fc, torch.cat([head._norm(n, feats[:, :, i]) for i, n in enumerate(head.feature_norms)], -1))
+    assert torch.equal(fused, per_layer)

@@ -295,14 +295,22 @@ class _EagleBase(nn.Module):
         if not cpu_layers.supports(a["hidden_size"], a["intermediate_size"], a["head_dim"], self.dtype, n):
             return None
         attn, mlp = self.layer.self_attn, self.layer.mlp
+        lins = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        # the weights as they are now (an edited or replaced weight is re-prepared: a new table)
+        stamp = (id(run),) + tuple(run._stamp(t) for t in [m.weight for m in lins] + [self.layer.post_attention_layernorm.weight])
+        cached = self.__dict__.get("_table")
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
         key = "avx512bf16"
-        qkv, gu = run._entry((attn.q_proj, attn.k_proj, attn.v_proj), key), run._entry((mlp.gate_proj, mlp.up_proj), key)
+        qkv, gu = run._entry(lins[:3], key), run._entry(lins[4:6], key)
         if qkv[2] is not None or any(m.bias is not None for m in (attn.o_proj, mlp.down_proj)):
             return None
-        return cpu_layers.layer_table([{
-            "ln1": None, "wqkv": qkv[0], "bqkv": None, "wo": run._entry((attn.o_proj,), key)[0],
-            "ln2": self.layer.post_attention_layernorm.weight, "w_gu": gu[0],
-            "w_down": run._entry((mlp.down_proj,), key)[0]}])
+        o, down = run._entry((attn.o_proj,), key)[0], run._entry((mlp.down_proj,), key)[0]
+        table = cpu_layers.layer_table([{"ln1": None, "wqkv": qkv[0], "bqkv": None, "wo": o,
+                                         "ln2": self.layer.post_attention_layernorm.weight, "w_gu": gu[0], "w_down": down}])
+        # the prepared tensors are kept with the table: its addresses stay theirs while it is used
+        self.__dict__["_table"] = (stamp, table, (qkv[0], gu[0], o, down))
+        return table
 
     @torch.inference_mode()
     def step_rows(self, input_ids: torch.Tensor, hidden: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor,
@@ -535,6 +543,11 @@ class Eagle3Head(_EagleBase):
         if features.shape[2] != len(self.feature_norms):
             raise ValueError(f"expected {len(self.feature_norms)} feature layers, got {features.shape[2]}")
         # normalise each layer first: raw target activations reach ~2.5e4
+        if not torch.is_grad_enabled():  # drafting: all F norms in one C call where it runs
+            w = torch.stack([norm.weight for norm in self.feature_norms])
+            normed = cpu_layers.rms_norm(features, w, self.feature_norms[0].variance_epsilon)
+            if normed is not None:
+                return self._lin(self.fc, normed.flatten(-2))
         parts = [self._norm(norm, features[:, :, i]) for i, norm in enumerate(self.feature_norms)]
         return self._lin(self.fc, torch.cat(parts, dim=-1))
 
