@@ -286,20 +286,72 @@ class LlamaEngine:
         self.layers = [self._fuse(layer) for layer in inner.layers]
         # (one-row kernel, several-row kernel): chosen by measurement on this machine unless given
         self.kernels = self._choose_kernels() if kernels == "auto" else tuple(kernels)
-        for name in kernels_used(self.kernels):
-            if name not in KERNELS:
-                raise ValueError(f"unknown kernel {name!r}; known: {', '.join(KERNELS)}")
-            prepare = KERNELS[name][0]
-            for w in self._matrix_holders():
-                for key in _MATRICES:
-                    if key in w:
-                        w[f"{key}@{name}"] = prepare(w[key])
+        self._prepare(self.kernels)
         self._rope = RopeTable(self.rotary)
         self.masks = MaskBuffer(self.groups, self.device)
         # decode and verification steps of one sequence in one C call where it runs (cpu_layers);
         # False keeps the op-by-op forward (A/B measurements, tests)
         self.use_layer_kernel = True
         self.version = self.weights_version()
+        if kernels == "auto":
+            self.kernels = self._prefer_layer_kernel(self.kernels)
+
+    def _prepare(self, kernels: tuple[str, ...]) -> None:
+        for name in kernels_used(kernels):
+            if name not in KERNELS:
+                raise ValueError(f"unknown kernel {name!r}; known: {', '.join(KERNELS)}")
+            prepare = KERNELS[name][0]
+            for w in self._matrix_holders():
+                for key in _MATRICES:
+                    if key in w and f"{key}@{name}" not in w:
+                        w[f"{key}@{name}"] = prepare(w[key])
+
+    def _prefer_layer_kernel(self, chosen: tuple[str, ...]) -> tuple[str, ...]:
+        """The matrix kernels measured alone, or the AVX-512 BF16 products where the layer kernel
+        (:mod:`.cpu_layers`, which runs on them) makes whole decode and verification forwards faster:
+        its one C call saves the ~4,700 ops between the products (1.3-1.5x per forward on an EPYC,
+        docs/results.md, twenty-third session), which a comparison of the products alone does not see,
+        and a noisy product measurement picked another kernel here once."""
+        layer_kernels = ("avx512bf16", "avx512bf16", chosen[2] if len(chosen) > 2 else
+                         ("onednn" if "onednn" in chosen else "aten"))
+        if chosen[:2] == layer_kernels[:2] or self.device.type != "cpu" or self.layers[0]["q_norm"] is not None \
+                or not cpu_gemv.bf16_available() or not all(cpu_gemv.bf16_supports(w[k]) for w in self.layers
+                                                             for k in _MATRICES if k in w) \
+                or not cpu_layers.supports(self.embed.shape[1], self.layers[0]["w_down"].shape[1], self.head_dim,
+                                           self.dtype, 1):
+            return chosen
+        self._prepare(layer_kernels)
+        with torch.inference_mode():
+            ours, theirs = self._forward_seconds(layer_kernels, chosen)
+        return layer_kernels if ours < theirs else chosen
+
+    def _forward_seconds(self, a: tuple[str, ...], b: tuple[str, ...]) -> tuple[float, float]:
+        """Seconds of a 1-token plus a 4-token forward after 64 cached tokens with kernels ``a`` then
+        ``b`` (prepared; best of three rounds, alternating, so a machine slowing down slows both)."""
+        gen = torch.Generator().manual_seed(0)
+        cache = self.new_cache(capacity=72)
+        best = {a: [float("inf")] * 2, b: [float("inf")] * 2}
+        was = self.kernels
+        for r in range(4):
+            for kernels in (a, b):
+                self.kernels = kernels
+                if r == 0 and kernels == a:  # the cached context, once (many-row products: either choice's)
+                    self.forward(torch.randint(0, self.embed.shape[0], (1, 64), generator=gen), cache,
+                                 torch.arange(64).view(1, 64))
+                    cache.commit()
+                for j, n in enumerate((1, 4)):
+                    ids = torch.randint(0, self.embed.shape[0], (1, n), generator=gen)
+                    pos = (64 + torch.arange(n)).view(1, n)
+
+                    def once():
+                        self.forward(ids, cache, pos)
+                        cache.rollback()
+
+                    secs = best_seconds(once, 1, self.device, warm=False)
+                    if r:  # the first round warms both up
+                        best[kernels][j] = min(best[kernels][j], secs)
+        self.kernels = was
+        return sum(best[a]), sum(best[b])
 
     def weights_version(self) -> int:
         """Sum of the source matrices' in-place version counters: an edit of a weight after the

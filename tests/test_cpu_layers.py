@@ -190,3 +190,38 @@ def test_eagle3_feature_fusion_in_one_norm_call_equals_the_per_layer_norms():
         fused = head.fuse_features(feats)
         per_layer = head._lin(head.fc, torch.cat([head._norm(n, feats[:, :, i]) for i, n in enumerate(head.feature_norms)], -1))
     assert torch.equal(fused, per_layer)
+
+
+@pytest.mark.parametrize("layer_kernel_faster", [True, False])
+def test_the_kernel_choice_weighs_whole_forwards_with_the_layer_kernel(monkeypatch, layer_kernel_faster):
+    # the products measured alone picked oneDNN; the layer kernel's whole forwards are then timed
+    # against the op-by-op forward on that choice, and the faster stays
+    target = _target()
+    monkeypatch.setattr(LlamaEngine, "_choose_kernels", lambda self: ("onednn", "onednn"))
+    timed = []
+
+    def fake(self, a, b):
+        timed.append((a, b))
+        return (1.0, 2.0) if layer_kernel_faster else (2.0, 1.0)
+
+    monkeypatch.setattr(LlamaEngine, "_forward_seconds", fake)
+    eng = LlamaEngine(target.model)
+    assert timed == [(("avx512bf16", "avx512bf16", "onednn"), ("onednn", "onednn"))]
+    assert eng.kernels == (("avx512bf16", "avx512bf16", "onednn") if layer_kernel_faster else ("onednn", "onednn"))
+    # either way every weight the chosen kernels need is prepared, and a step runs
+    cache = eng.new_cache(capacity=16)
+    with torch.inference_mode():
+        out = eng.forward(torch.tensor([[1, 2, 3]]), cache, torch.arange(3).view(1, 3))
+    assert out.logits.shape == (1, 3, 96)
+
+
+def test_forward_seconds_times_both_choices():
+    target = _target()
+    eng = target.engine
+    was = eng.kernels
+    ours, aten = ("avx512bf16", "avx512bf16", "onednn"), ("aten", "aten")
+    eng._prepare(ours)
+    eng._prepare(aten)
+    with torch.inference_mode():
+        a, b = eng._forward_seconds(ours, aten)
+    assert 0 < a < 10 and 0 < b < 10 and eng.kernels == was
