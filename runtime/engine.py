@@ -518,7 +518,7 @@ class LlamaEngine:
         new tokens only, no per-head Q/K norms), else None."""
         if not self.use_layer_kernel or B != 1 or kernel_for(self.kernels, n) != "avx512bf16" \
                 or (tree_mask is not None and tree_mask.shape[-1] != n) or self.layers[0]["q_norm"] is not None \
-                or not kv.is_contiguous():
+                or kv.stride(-1) != 1 or kv.stride(-2) != kv.shape[-1]:
             return None
         if not cpu_layers.supports(self.embed.shape[1], self.layers[0]["w_down"].shape[1], self.head_dim,
                                    self.dtype, n):

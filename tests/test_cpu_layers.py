@@ -225,3 +225,26 @@ def test_forward_seconds_times_both_choices():
     with torch.inference_mode():
         a, b = eng._forward_seconds(ours, aten)
     assert 0 < a < 10 and 0 < b < 10 and eng.kernels == was
+
+
+@pytest.mark.parametrize("drafter", [None, "eagle3"])
+def test_a_server_with_one_client_steps_on_the_layer_kernel(monkeypatch, drafter):
+    # one active row and no prefill chunk: the serving step takes the single-sequence kernel; each
+    # request's greedy output is the solo generator's (plain) token for token, speculation forced on
+    from specfoundry.runtime import SpeculativeGenerator
+    from specfoundry.runtime.serving import Request, ServingEngine
+    from specfoundry.runtime.serving import slots as slots_mod
+
+    target = _target()
+    rows = []
+    real = slots_mod._one_row
+    monkeypatch.setattr(slots_mod, "_one_row", lambda *a: (lambda out: rows.append(out is not None) or out)(real(*a)))
+    g = torch.Generator().manual_seed(4)
+    ps = [(torch.randint(0, 96, (6,), generator=g).tolist() * 3)[: 10 + 3 * i] for i in range(3)]
+    solo = SpeculativeGenerator(target, None)
+    want = [solo.generate(prompt_ids=p, max_new_tokens=20, stop_at_eos=False).token_ids for p in ps]
+    d = None if drafter is None else load_drafter(drafter, target=target, tree="chain", depth=3)
+    with ServingEngine(target, d, max_batch=4, speculation_table="1-:3" if d else None) as eng:
+        got = [eng.submit(Request(p, max_new_tokens=20, stop_at_eos=False)).result()[0] for p in ps]  # one at a time
+    assert got == want
+    assert rows and all(rows)  # every decode step of a lone row took the kernel

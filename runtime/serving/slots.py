@@ -24,8 +24,9 @@ import itertools
 import os
 
 import torch
+import torch.nn.functional as F
 
-from .. import cpu_attention
+from .. import cpu_attention, cpu_layers
 from ..engine import LlamaEngine, StaticKVCache, attend, grouped_attention
 from ..kvcache import row_mask
 from ..target import TargetOutput
@@ -193,6 +194,10 @@ def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
     engine = cache.engine
     dev = engine.device
     B, n = tokens.shape
+    if B == 1 and not chunks:
+        one = _one_row(cache, tokens, positions, block, feature_layers, counts)
+        if one is not None:
+            return one, []
     real = None  # flat indices of the real decode tokens, when some are padding
     if counts is not None and B:
         if len(counts) != B or min(counts) < 1 or max(counts) > n:
@@ -245,6 +250,41 @@ def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
         dec = TargetOutput(logits=padded(out.logits[0, :T]),
                            features=None if out.features is None else padded(features[0]))
     return dec, [(out.logits[0, T + j], None if f is None else f.unsqueeze(0)) for j, f in enumerate(features[1:])]
+
+
+def _one_row(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, block: torch.Tensor | None,
+             feature_layers: tuple[int, ...], counts: list[int] | None) -> TargetOutput | None:
+    """A step of one active row and no prefill chunk through the engine's layer kernel (one C call for
+    all layers, :mod:`..cpu_layers`), as the single-sequence generator runs it: a server with one
+    client decodes at the engine's single-stream speed. None where the kernel does not take it."""
+    engine = cache.engine
+    n = tokens.shape[1]
+    c = n if counts is None else counts[0]
+    if cache.active != 1 or not 1 <= c <= n:
+        return None
+    kv = cache.kv[:, :, :1]  # row 0: the only active one
+    blk = None if block is None else block[:, :c, :c].to(engine.device)
+    table = engine._layer_table(1, c, blk, kv)
+    past = cache.lengths[0]
+    if table is None or past + c > cache.capacity:
+        return None
+    ids = tokens[:, :c].to(engine.device)
+    cos, sin = engine.rope(positions[:, :c].to(engine.device))
+    x, feats = cpu_layers.run_layers(
+        table, F.embedding(ids, engine.embed), cos, sin, kv, past, blk, heads=(engine.hq, engine.hkv),
+        intermediate=engine.layers[0]["w_down"].shape[1], eps=engine.eps, scale=engine.scale,
+        feature_layers=feature_layers)
+    out = engine.finish(x, feats, feature_layers, None)
+    if c == n:
+        return out
+    # padding positions (counts[0] < n) are left unset, as in forward_mixed: never read
+    logits = out.logits.new_empty(1, n, out.logits.shape[-1])
+    logits[:, :c] = out.logits
+    features = None
+    if out.features is not None:
+        features = out.features.new_empty(1, n, *out.features.shape[2:])
+        features[:, :c] = out.features
+    return TargetOutput(logits=logits, features=features)
 
 
 def _slot_attention(cache: SlotCache, B: int, n: int, block: torch.Tensor | None, counts: list[int]):
