@@ -21,7 +21,9 @@ inputs (``vdpbf16ps``) and no widening, one weight row at a time against up to 8
 (two independent sums per row over alternating blocks of 32 inputs: the instruction's latency is
 hidden; several weight rows per pass measured slower), and rounds the outputs to bf16 itself. On a
 2-core AMD EPYC with avx512_bf16 (docs/results.md, twenty-second session) it streams SmolLM2-135M's
-matrices at 1 row in 7.4-8.2 ms at 1 thread against oneDNN's 9.9-10.9. Numerics: each output is one
+matrices at 1 row in 7.4-8.2 ms at 1 thread against oneDNN's 9.9-10.9. It reads the weights ahead
+with a non-temporal prefetch hint, so streaming them does not evict the step's own code and data
+from the caches (1.10-1.20x per decode step on a Zen 5 EPYC, twenty-third session). Numerics: each output is one
 thread's fp32 sum in a fixed order whatever the row count and thread count, as above; the inputs
 are the activations' bf16 values as they are (ATen's bf16 products take the same inputs).
 
