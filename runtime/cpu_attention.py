@@ -378,6 +378,12 @@ def supports(cache_layer: torch.Tensor) -> bool:
             and D % 8 == 0 and D <= MAX_HEAD_DIM and cache_layer.stride(-1) == 1 and cache_layer.stride(-2) == D)
 
 
+def rows_kernel(cache_layer: torch.Tensor) -> bool:
+    """Whether :func:`slot_attention` runs this cache layer on the AVX-512 BF16 kernel (a bf16 cache,
+    ``D % 32 == 0``, a CPU with avx512_bf16) rather than the AVX2 one."""
+    return cache_layer.dtype == torch.bfloat16 and cache_layer.shape[-1] % 32 == 0 and _load_decode()[0] is not None
+
+
 def slot_attention(q: torch.Tensor, layer: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor,
                    first: torch.Tensor, block: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of the step's real tokens ``q`` ``[T, hq, D]`` over one cache layer ``[2, slots,
@@ -404,7 +410,7 @@ def slot_attention(q: torch.Tensor, layer: torch.Tensor, lengths: torch.Tensor, 
     keys, values = layer[0], layer[1]
     fn = lib.sf_attn_bf16 if layer.dtype == torch.bfloat16 else lib.sf_attn_f32
     rows = _load_decode()[0]
-    if rows is not None and layer.dtype == torch.bfloat16 and D % 32 == 0:
+    if rows_kernel(layer):
         fn = rows.sf_attn_rows  # the AVX-512 BF16 kernel, same arguments (see decode_attention)
     args = [qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), lengths.data_ptr(),
             counts.data_ptr(), first.data_ptr(), blk.data_ptr(), n, B, hq, hkv, D, float(scale), out.data_ptr()]

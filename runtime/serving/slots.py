@@ -48,6 +48,8 @@ class SlotCache:
         # :func:`uses_kernel`), else SDPA per range of rows; SPECFOUNDRY_SLOT_ATTENTION=sdpa keeps SDPA
         self.kernel = os.environ.get("SPECFOUNDRY_SLOT_ATTENTION", "auto") != "sdpa" and \
             cpu_attention.supports(self.kv[0]) and cpu_attention.available()
+        # on the AVX-512 BF16 kernel every step attends by the kernel, drafted rows or not (KERNEL_TOKENS_PER_ROW)
+        self.rows_kernel = self.kernel and cpu_attention.rows_kernel(self.kv[0])
 
     @property
     def slots(self) -> int:
@@ -120,14 +122,16 @@ QUERY_FIXED = 6
 #: with every row at 2-4 tokens SDPA won on the eleventh session's CPU (1.1-1.8x) and lost on the
 #: twentieth's (kernel 0.84-0.97x); a mostly plain step with a few drafted rows (prompt lookup, probes,
 #: under load) was 0.66-0.83x SDPA's at 8-32 rows (docs/results.md, twentieth session): on SDPA, one
-#: draft among 16 plain rows made the whole step the slower kind
+#: draft among 16 plain rows made the whole step the slower kind. The AVX-512 BF16 kernel (bf16 caches
+#: on CPUs with avx512_bf16) takes every step whatever its tokens: 1.26-1.48x SDPA's whole step at 4-16
+#: rows of 2-5 tokens each, 1 and 2 threads (docs/results.md, twenty-third session)
 KERNEL_TOKENS_PER_ROW = 1.5
 
 
 def uses_kernel(cache: SlotCache, rows: int, tokens: int) -> bool:
     """Whether a step of ``rows`` rows with ``tokens`` real tokens in all attends with the CPU kernel
     (see :data:`KERNEL_TOKENS_PER_ROW`)."""
-    return cache.kernel and tokens <= KERNEL_TOKENS_PER_ROW * rows
+    return cache.kernel and (cache.rows_kernel or tokens <= KERNEL_TOKENS_PER_ROW * rows)
 
 
 def row_groups(lengths: list[int], counts: list[int] | None = None,
