@@ -191,9 +191,11 @@ def supports(hidden: int, intermediate: int, head_dim: int, dtype: torch.dtype, 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
     """HF's ``LlamaRMSNorm`` of bf16 ``x`` ``[..., H]`` (the layers' own norm, one C call instead of ~9
-    ops), or None where it does not apply (another dtype, H % 16, no kernel). ``w`` ``[H]``, or
+    ops), or None where it does not apply (another dtype, H % 16, no kernel, autograd needed). ``w`` ``[H]``, or
     ``[F, H]`` for ``x`` ``[..., F, H]``: one weight per feature layer (an EAGLE-3 head's norms)."""
     H = x.shape[-1]
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return None  # no backward here: training keeps the ops
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or H % 16 or x.device.type != "cpu" \
             or w.shape[-1] != H or w.dim() > 2 or (w.dim() == 2 and (x.dim() < 2 or x.shape[-2] != w.shape[0])):
         return None

@@ -158,6 +158,9 @@ def test_rms_norm_is_hfs_norm():
         assert (diff <= want.abs() * 2 ** -7).all() and (diff > 0).float().mean() < 0.01
     assert cpu_layers.rms_norm(x.float(), w.float(), 1e-5) is None  # other dtypes: the caller's ops
     assert cpu_layers.rms_norm(x[..., :100], w[:100], 1e-5) is None  # H % 16
+    assert cpu_layers.rms_norm(x, w.clone().requires_grad_(), 1e-5) is None  # autograd: the caller's ops
+    with torch.no_grad():
+        assert cpu_layers.rms_norm(x, w.clone().requires_grad_(), 1e-5) is not None
 
 
 def test_argmax_is_torchs_argmax():
