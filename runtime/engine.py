@@ -22,6 +22,9 @@ What makes it cheaper than the HF path on a CPU, where per-op overhead and copie
   (:data:`KERNELS`: oneDNN packed weights, transposed weights, ATen, and on AVX2 CPUs our own
   few-row kernel, :mod:`.cpu_gemv`, whose cost is flat over 1-8 rows), prepared once; the
   speculator heads reuse the choice (:class:`PreparedLinears`);
+- where the CPU has avx512_bf16, a bf16 step of one sequence (1-8 tokens: plain steps and
+  verifications) runs all layers in one C call on those products (:mod:`.cpu_layers`), with no
+  PyTorch op between them; the kernel choice weighs whole forwards with it;
 - the forward returns only the feature layers a speculator asked for (HF numbering: ``i`` = input
   of layer ``i``, ``L`` = the final normed state) and LM-head rows only where asked;
 - batched data generation runs on the serving slots (:mod:`.serving.slots`: continuous batching).
