@@ -92,7 +92,7 @@ int NAME(const float *q, const KT *kc, const KT *vc, int64_t s_slot, int64_t s_h
         int WP = (W + BLK - 1) / BLK * BLK;                                                          \
         const KT *K = kc + b * s_slot + h * s_head, *V = vc + b * s_slot + h * s_head;              \
         float *sc = (float *)aligned_alloc(32, sizeof(float) * (size_t)G * (size_t)WP);              \
-        if (!sc) { _Pragma("omp atomic write") failed = 1; continue; }  /* reported, see _check */  \
+        if (!sc) { _Pragma("omp atomic write") failed = 1; continue; }  /* reported: see check()  */  \
         float kb[BLK * MAXD] __attribute__((aligned(32)));                                           \
         float inv[8 * 64];  /* 1 / softmax sum per query row (G <= 8 * 64) */                        \
         __m256 vmax[8 * 64];                                                                         \
@@ -219,7 +219,7 @@ int sf_attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int64_t
         const float *qb0 = q + (int64_t)first[b] * hq * D;
         float *ob0 = out + (int64_t)first[b] * hq * D;
         float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)n * WP);
-        if (!sc) { _Pragma("omp atomic write") failed = 1; continue; }  /* reported, see _check */
+        if (!sc) { _Pragma("omp atomic write") failed = 1; continue; }  /* reported: see check() */
         /* scores: per query row, 16 columns at a time: 2 bf16 dot products per column into 16 partial
            sums each, then one transposed reduction of the 16 vectors into the 16 scores */
         for (int t = 0; t < n; t++) {
@@ -409,10 +409,10 @@ def slot_attention(q: torch.Tensor, layer: torch.Tensor, lengths: torch.Tensor, 
     blk = block.to(torch.uint8).contiguous()
     keys, values = layer[0], layer[1]
     fn = lib.sf_attn_bf16 if layer.dtype == torch.bfloat16 else lib.sf_attn_f32
-    rows = _load_decode()[0]
-    if rows_kernel(layer):
-        fn = rows.sf_attn_rows  # the AVX-512 BF16 kernel, same arguments (see decode_attention)
+    extra = ()
+    if rows_kernel(layer):  # the AVX-512 BF16 kernel: the same arguments (see decode_attention) and bw = 0
+        fn, extra = _load_decode()[0].sf_attn_rows, (0,)
     args = [qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), lengths.data_ptr(),
             counts.data_ptr(), first.data_ptr(), blk.data_ptr(), n, B, hq, hkv, D, float(scale), out.data_ptr()]
-    check(fn(*args, 0) if fn is getattr(rows, "sf_attn_rows", None) else fn(*args))
+    check(fn(*args, *extra))
     return out.view(T, hq * D).to(layer.dtype)

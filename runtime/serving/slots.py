@@ -24,9 +24,8 @@ import itertools
 import os
 
 import torch
-import torch.nn.functional as F
 
-from .. import cpu_attention, cpu_layers
+from .. import cpu_attention
 from ..engine import LlamaEngine, StaticKVCache, attend, grouped_attention
 from ..kvcache import row_mask
 from ..target import TargetOutput
@@ -259,7 +258,7 @@ def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
 def _one_row(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, block: torch.Tensor | None,
              feature_layers: tuple[int, ...], counts: list[int] | None) -> TargetOutput | None:
     """A step of one active row and no prefill chunk through the engine's layer kernel (one C call for
-    all layers, :mod:`..cpu_layers`), as the single-sequence generator runs it: a server with one
+    all layers, :meth:`~..engine.LlamaEngine.kernel_layers`), as the single-sequence generator runs it: a server with one
     client decodes at the engine's single-stream speed. None where the kernel does not take it."""
     engine = cache.engine
     n = tokens.shape[1]
@@ -272,12 +271,8 @@ def _one_row(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, bl
     past = cache.lengths[0]
     if table is None or past + c > cache.capacity:
         return None
-    ids = tokens[:, :c].to(engine.device)
     cos, sin = engine.rope(positions[:, :c].to(engine.device))
-    x, feats = cpu_layers.run_layers(
-        table, F.embedding(ids, engine.embed), cos, sin, kv, past, blk, heads=(engine.hq, engine.hkv),
-        intermediate=engine.layers[0]["w_down"].shape[1], eps=engine.eps, scale=engine.scale,
-        feature_layers=feature_layers)
+    x, feats = engine.kernel_layers(table, tokens[:, :c], cos, sin, kv, past, blk, feature_layers)
     out = engine.finish(x, feats, feature_layers, None)
     if c == n:
         return out

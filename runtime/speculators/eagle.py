@@ -285,8 +285,8 @@ class _EagleBase(nn.Module):
     def _layer_table(self, B: int, n: int, block: torch.Tensor | None, cache: StaticKVCache) -> torch.Tensor | None:
         """The :func:`.cpu_layers.run_layers` weight table of the decoder layer when that runs this
         step (the engine's AVX-512 BF16 products for ``n`` rows, one sequence, bf16; a tree's block
-        may cover earlier drafts), else None. Built per step from the prepared weights (a re-prepared weight
-        is picked up)."""
+        may cover earlier drafts), else None. Kept while the layer's weights are unchanged (an edited or
+        replaced weight is re-prepared and gets a new table)."""
         run = self.__dict__.get("_linears")
         if run is None or B != 1 or kernel_for(run.kernels, n) != "avx512bf16" or self.dtype != torch.bfloat16 \
                 or not cache.kv.is_contiguous():
