@@ -275,3 +275,37 @@ def test_on_the_avx512_attention_every_serving_step_attends_by_the_kernel():
     out_sdpa = slots_mod.forward_slots(slots, tokens, pos)
     a, b = out_kernel.logits.float(), out_sdpa.logits.float()
     assert (a - b).abs().max() <= 0.02 * b.abs().max() and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+
+
+def test_speculative_sampling_through_the_kernel_keeps_the_target_distribution(monkeypatch):
+    # T=1 with an EAGLE-3 chain, every target step and head step on the layer kernel: the distribution
+    # of the first STEPS tokens is the target's own (exact, from the engine's forward), by chi-square;
+    # the same harness rejects the head's own distribution
+    from test_sampling_lossless import PROMPT, STEPS, V, goodness_of_fit
+
+    from specfoundry.runtime import SpeculativeGenerator, probs_from_logits
+    from specfoundry.runtime.sampling import SamplingParams
+
+    target = tiny_llama(5, vocab=V, hidden=128, layers=2, dtype=torch.bfloat16, init_std=0.3)
+    target.engine = LlamaEngine(target.model, kernels=FEW_ROW)
+    calls = _spy(monkeypatch)
+    params = SamplingParams(1.0)
+    exact = {}
+    import itertools
+
+    for seq in itertools.product(range(V), repeat=STEPS):
+        cache = target.new_cache(capacity=16)
+        logits = target.forward(torch.tensor([PROMPT + list(seq)]), cache).logits[0, len(PROMPT) - 1: -1]
+        p = probs_from_logits(logits, params)
+        exact[seq] = float(torch.prod(p[torch.arange(STEPS), torch.tensor(seq)]))
+    gen = SpeculativeGenerator(target, load_drafter("eagle3", target=target, tree="chain", depth=2), adaptive=False)
+    n, counts = 1500, {}
+    for i in range(n):
+        out = gen.generate(prompt_ids=PROMPT, max_new_tokens=STEPS, temperature=1.0, seed=7000 + i, stop_at_eos=False)
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    assert calls and max(calls) > 1  # verifications of chains ran on the kernel
+    p_value, _ = goodness_of_fit(exact, counts, n)
+    assert p_value > 1e-3
+    # the check can fail: a distribution that is not the target's (its tokens shifted by one) is rejected
+    shifted = {tuple((t + 1) % V for t in k): v for k, v in exact.items()}
+    assert goodness_of_fit(shifted, {k: c for k, c in counts.items() if shifted.get(k, 0) > 0}, n)[0] < 1e-3
