@@ -32,7 +32,7 @@ import torch
 from . import cpu_attention, cpu_gemv
 from .native import AVX512_BF16, build
 
-__all__ = ["MAX_TOKENS", "argmax", "available", "layer_table", "rms_norm", "run_layers", "supports", "unavailable_reason"]
+__all__ = ["MAX_TOKENS", "argmax", "available", "eagle3_draft", "layer_table", "rms_norm", "run_layers", "supports", "unavailable_reason"]
 
 #: most new tokens per call: the few-row product's one pass (more go to the many-row kernel)
 MAX_TOKENS = cpu_gemv.MAX_ROWS
@@ -161,6 +161,54 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
     }
     return 0;
 }
+
+/* An EAGLE-3 head's drafting for one sequence (eagle3_draft below): first the n queued committed
+   pairs (n may be 0): their raw target features [n][F][H] normed per feature layer (weights fnw
+   [F][H]) and fused by fc (fcw [H][F*H]), then the decoder layer (table row wp; attention input
+   cat(norm(embed(qid)), norm(fused)), residual the fused feature) causally at past..past+n-1, the
+   last output the new root hidden h [H]; then a greedy chain of depth tokens from h: the output
+   norm (onw), the draft-vocabulary logits (lmw [Vd][H]), their argmax mapped by d2t (NULL: the
+   identity) into tokens[d], and for each but the last draft one layer step of (h, token) at the
+   next position. cs/sn [n + max(depth - 1, 0)][D]: RoPE at past.. on. Each piece is the op the Python path
+   runs (the same C norms and products), so the drafts are the same bits. wb/wf: sf_layers' work
+   buffers for max(n, 1) rows; lb: bf16 work of n*F*H + n*H + max(n, 1)*2H + H + Vd. */
+int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, const uint16_t *fnw,
+                    const uint16_t *fcw, int depth, const int64_t *wp, const uint16_t *inw, const uint16_t *hnw,
+                    const uint16_t *onw, const uint16_t *lmw, int Vd, const int64_t *d2t, const uint16_t *emb,
+                    int H, int hq, int hkv, int D, int I, float eps, float scale, uint16_t *kv, int64_t s_kv,
+                    int64_t s_head, int past, const uint16_t *cs, const uint16_t *sn, uint16_t *h, int64_t *tokens,
+                    uint16_t *wb, float *wf, uint16_t *lb) {
+    int rows = n > 0 ? n : 1;
+    uint16_t *nfeat = lb, *x = nfeat + (int64_t)n * F * H, *xin = x + (int64_t)n * H;
+    uint16_t *hn = xin + (int64_t)rows * 2 * H, *logits = hn + H;
+    if (n > 0) {
+        for (int64_t r = 0; r < (int64_t)n * F; r++) norm_rows(feats + r * H, fnw + (r % F) * H, nfeat + r * H, 1, H, eps);
+        sf_gemv_dpbf16(nfeat, fcw, 0, x, n, F * H, H);
+        for (int t = 0; t < n; t++) {
+            norm_rows(emb + qids[t] * H, inw, xin + (int64_t)t * 2 * H, 1, H, eps);
+            norm_rows(x + (int64_t)t * H, hnw, xin + (int64_t)t * 2 * H + H, 1, H, eps);
+        }
+        if (sf_layers(n, 1, H, hq, hkv, D, I, eps, scale, wp, xin, 2 * H, x, cs, sn, kv, 0, s_kv, s_head, past,
+                      0, 0, 0, 0, wb, wf, 0))
+            return 1;
+        for (int i = 0; i < H; i++) h[i] = x[(int64_t)(n - 1) * H + i];
+        past += n; cs += (int64_t)n * D; sn += (int64_t)n * D;
+    }
+    for (int d = 0; d < depth; d++) {
+        norm_rows(h, onw, hn, 1, H, eps);
+        sf_gemv_dpbf16(hn, lmw, 0, logits, 1, H, Vd);
+        int64_t a;
+        sf_argmax_bf16(logits, 1, Vd, &a);
+        tokens[d] = d2t ? d2t[a] : a;
+        if (d + 1 == depth) break;
+        norm_rows(emb + tokens[d] * H, inw, xin, 1, H, eps);
+        norm_rows(h, hnw, xin + H, 1, H, eps);
+        if (sf_layers(1, 1, H, hq, hkv, D, I, eps, scale, wp, xin, 2 * H, h, cs + (int64_t)d * D, sn + (int64_t)d * D,
+                      kv, 0, s_kv, s_head, past + d, 0, 0, 0, 0, wb, wf, 0))
+            return 1;
+    }
+    return 0;
+}
 """
 
 
@@ -170,8 +218,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     # one library: the few-row product and the attention kernel are compiled in with the layer loop
     source = cpu_gemv._SOURCE_BF16 + cpu_attention._SOURCE_DECODE + _LAYER
     args = [i32] * 7 + [f32, f32, p, p, i32, p, p, p, p, i64, i64, i64, i32, p, p, i32, p, p, p, i32]
-    fns = {"sf_layers": args, "sf_rms_norm": [p, p, p, i64, i32, f32, i32], "sf_argmax_bf16": [p, i64, i64, p]}
-    return cpu_attention._returning_int(build("sflayers", source, fns, isa=AVX512_BF16), "sf_layers")
+    draft = [i32, p, p, i32, p, p, i32, p, p, p, p, p, i32, p, p] + [i32] * 5 + [f32, f32, p, i64, i64, i32] + [p] * 7
+    fns = {"sf_layers": args, "sf_rms_norm": [p, p, p, i64, i32, f32, i32], "sf_argmax_bf16": [p, i64, i64, p],
+           "sf_eagle3_draft": draft}
+    return cpu_attention._returning_int(build("sflayers", source, fns, isa=AVX512_BF16), "sf_layers", "sf_eagle3_draft")
 
 
 def unavailable_reason() -> str | None:
@@ -280,3 +330,52 @@ def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
                            wb.data_ptr(), wf.data_ptr(), bw)
     cpu_attention.check(status)
     return x.view(1, n, H), [(i, feats[:, j].unsqueeze(0)) for j, i in enumerate(want)]
+
+
+def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, ids: torch.Tensor | None,
+                 hidden: torch.Tensor | None, depth: int, layer_kv: torch.Tensor, past: int, cos: torch.Tensor,
+                 sin: torch.Tensor, *, heads: tuple[int, int], intermediate: int, eps: float, scale: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An EAGLE-3 head's drafting step for one sequence in one C call: the queued committed pairs
+    (raw target ``features`` ``[n, F, H]`` and next ``ids`` ``[n]``, or None) through the feature
+    norms, ``fc`` and the head's layer (their K/V written at ``past``), then a greedy chain of
+    ``depth`` drafts from the last output (or from ``hidden`` ``[H]`` when nothing is queued).
+    ``table``: the head layer's :func:`layer_table`; ``w``: bf16 ``fnw`` ``[F, H]``, ``fcw``, ``inw``,
+    ``hnw``, ``onw`` (input, hidden and output norms), ``lmw`` ``[Vd, H]``, ``emb`` ``[V, H]``, and
+    ``d2t`` (long ``[Vd]`` or None); ``cos``/``sin`` ``[n + max(depth - 1, 0), D]`` from position ``past``.
+    The drafts' K/V are written after the queued pairs' and left uncommitted. Returns (target ids
+    ``[depth]``, the new root hidden ``[H]``)."""
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(f"the layer kernel is unavailable: {unavailable_reason()}")
+    hq, hkv = heads
+    D = layer_kv.shape[-1]
+    n = 0 if ids is None else ids.numel()
+    F, H = w["fnw"].shape
+    Vd = w["lmw"].shape[0]
+    if n > MAX_TOKENS or (n == 0 and hidden is None) or (n and tuple(features.shape) != (n, F, H)):
+        raise ValueError(f"eagle3_draft takes 1-{MAX_TOKENS} queued pairs with [n, {F}, {H}] features, or a hidden state")
+    steps = n + max(depth - 1, 0)  # entries written: the queued pairs, every draft but the last
+    if past + steps > layer_kv.shape[-2]:
+        raise ValueError(f"{past} + {steps} entries exceed the cache's {layer_kv.shape[-2]}")
+    if cos.shape[0] != steps or sin.shape[0] != steps:
+        raise ValueError(f"cos/sin need {steps} rows (positions {past}..), got {cos.shape[0]}, {sin.shape[0]}")
+    rows = max(n, 1)
+    h = torch.empty(H, dtype=torch.bfloat16) if hidden is None else hidden.reshape(H).contiguous().clone()
+    tokens = torch.empty(max(depth, 1), dtype=torch.long)
+    nqkv = (hq + 2 * hkv) * D
+    wb = torch.empty(rows * (2 * H + nqkv + hq * D + H + 3 * intermediate), dtype=torch.bfloat16)
+    wf = torch.empty(2 * rows * hq * D, dtype=torch.float32)
+    lb = torch.empty(n * F * H + n * H + rows * 2 * H + H + Vd, dtype=torch.bfloat16)
+    feats = features.contiguous() if n else None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    qids = ids.reshape(n).to(torch.long).contiguous() if n else None
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    status = lib.sf_eagle3_draft(
+        n, ptr(feats), ptr(qids), F, w["fnw"].data_ptr(), w["fcw"].data_ptr(), depth, table.data_ptr(),
+        w["inw"].data_ptr(), w["hnw"].data_ptr(), w["onw"].data_ptr(), w["lmw"].data_ptr(), Vd, ptr(w["d2t"]),
+        w["emb"].data_ptr(), H, hq, hkv, D, intermediate, float(eps), float(scale), layer_kv.data_ptr(),
+        layer_kv.stride(1), layer_kv.stride(3), past, cos.data_ptr(), sin.data_ptr(), h.data_ptr(), tokens.data_ptr(),
+        wb.data_ptr(), wf.data_ptr(), lb.data_ptr())
+    cpu_attention.check(status)
+    return tokens[:depth], h

@@ -109,6 +109,11 @@ class RopeTable:
             self._cos, self._sin, self._len, self._key = cos[0], sin[0], size, key
         return self._cos[positions].unsqueeze(2), self._sin[positions].unsqueeze(2)
 
+    def span(self, start: int, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[n, D]`` of the positions ``start .. start + n - 1`` (contiguous views of the tables)."""
+        self(torch.tensor([start + max(n, 1) - 1]), like)
+        return self._cos[start:start + n], self._sin[start:start + n]
+
 
 def best_seconds(fn, reps: int, device: torch.device | None = None, warm: bool = True) -> float:
     """Best wall time of ``reps`` calls of ``fn`` (after one untimed call when ``warm``); CUDA is

@@ -124,6 +124,92 @@ def test_eagle3_head_step_equals_the_op_by_op_step(monkeypatch):
     assert (a - b).abs().max() <= 0.02 * a.abs().max()
 
 
+def _eagle3_chain(target, depth: int = 3, **options):
+    drafter = load_drafter("eagle3", target=target, **({"tree": "chain", "depth": depth} | options))
+    head = drafter.head
+    with torch.no_grad():  # as above: make the head's attention count
+        for lin, f in (("q_proj", 4), ("k_proj", 4), ("v_proj", 8), ("o_proj", 8)):
+            getattr(head.layer.self_attn, lin).weight.mul_(f)
+    # a draft vocabulary that is not the identity: the drafts go through d2t
+    head.set_draft_vocab(torch.randperm(96, generator=torch.Generator().manual_seed(5)))
+    return drafter
+
+
+def _drafts_and_outputs(target, drafter, prompts, lookup: bool = False, temperature: float = 0.0):
+    from specfoundry.runtime import SpeculativeGenerator
+    from specfoundry.runtime.drafters.lookup import with_lookup
+
+    proposed, real = [], drafter.propose
+
+    def propose(ctx):
+        draft = real(ctx)
+        proposed.append((draft.tokens.tolist()[0], draft.parents.tolist()[0], draft.q))
+        return draft
+
+    drafter.propose = propose
+    gen = SpeculativeGenerator(target, with_lookup(drafter, 2) if lookup else drafter, adaptive=False)
+    outs = [gen.generate(prompt_ids=p, max_new_tokens=24, stop_at_eos=False, temperature=temperature, seed=i).token_ids
+            for i, p in enumerate(prompts)]
+    drafter.propose = real
+    return proposed, outs
+
+
+@pytest.mark.parametrize("case", ["chain", "chain+lookup", "tree", "chain T=1"])
+def test_fused_eagle3_drafting_equals_the_step_by_step_drafting(monkeypatch, case):
+    """One C call per proposal (the queued pairs, and a greedy chain) drafts what fuse_features, step and
+    compute_logits do one by one, bit for bit; more than MAX_TOKENS queued pairs (the prompt, a long
+    accepted lookup) take the step-by-step path. Trees and sampled chains run only the queue in it."""
+    from specfoundry.runtime.speculators.eagle import Eagle3Head
+
+    target = _target(init_std=0.5)
+    drafter = _eagle3_chain(target, **({"tree": "dynamic", "top_k": 2, "total_tokens": 6} if case == "tree" else {}))
+    lookup, temperature = case == "chain+lookup", 1.0 if "T=1" in case else 0.0
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 96, (6,), generator=g).tolist() * 3 for _ in range(3)]
+    calls = []
+    real = Eagle3Head.fused_draft
+
+    def spy(self, ids, *a):
+        out = real(self, ids, *a)
+        calls.append((0 if ids is None else ids.shape[1], out is not None))
+        return out
+
+    monkeypatch.setattr(Eagle3Head, "fused_draft", spy)
+    fused = _drafts_and_outputs(target, drafter, prompts, lookup, temperature)
+    # it ran on every short queue, never on a longer one (the prompts: 18 pairs)
+    assert all(ran == (n <= cpu_layers.MAX_TOKENS) for n, ran in calls) and sum(ran for _, ran in calls) > 10
+    monkeypatch.setattr(Eagle3Head, "fused_draft", lambda *a: None)
+    step_by_step = _drafts_and_outputs(target, drafter, prompts, lookup, temperature)
+    assert fused[1] == step_by_step[1]
+    assert len(fused[0]) == len(step_by_step[0])
+    for (tok_a, par_a, q_a), (tok_b, par_b, q_b) in zip(fused[0], step_by_step[0]):
+        assert tok_a == tok_b and par_a == par_b
+        assert (q_a is None) == (q_b is None) and (q_a is None or torch.equal(q_a, q_b))
+    assert any(len(tok) >= 4 for tok, _, _ in fused[0])  # chains / trees were drafted (root + 3 or more)
+    assert (fused[0][-1][2] is not None) == (temperature > 0)
+
+
+def test_fused_eagle3_drafting_steps_aside_where_it_does_not_apply():
+    target = _target()
+    drafter = _eagle3_chain(target, depth=2)
+    head = drafter.head
+    drafter.begin(torch.tensor([[1, 2, 3, 4]]), torch.randn(1, 3, 3, 128).bfloat16())
+    ids, feats = torch.cat(drafter._queue_ids, 1), torch.cat(drafter._queue_features, 1)
+    assert head.fused_draft(ids, feats, None, 2, head.new_cache(64)) is not None
+    head.norm.variance_epsilon = 1e-3  # norms of different epsilons: one eps in C would be wrong
+    assert head.fused_draft(ids, feats, None, 2, head.new_cache(64)) is None
+    head.norm.variance_epsilon = head.layer.hidden_norm.variance_epsilon
+    assert head.fused_draft(ids, feats.float(), None, 2, head.new_cache(64)) is None  # fp32 features
+    long_ids = torch.randint(0, 96, (1, cpu_layers.MAX_TOKENS + 1))
+    assert head.fused_draft(long_ids, torch.randn(1, long_ids.shape[1], 3, 128).bfloat16(), None, 2, head.new_cache(64)) is None
+    with pytest.raises(ValueError, match="exceed the cache"):
+        w = head._draft_weights(head._linears)
+        cache = head.new_cache(4)
+        cos, sin = head._rope.span(0, 5, feats)
+        cpu_layers.eagle3_draft(head._layer_table(1, 3, None, cache), w, feats[0], ids[0], None, 3, cache.kv, 0,
+                                cos, sin, heads=(4, 2), intermediate=256, eps=w["eps"], scale=0.17)
+
+
 def test_bad_inputs_are_refused():
     target = _target()
     eng = target.engine

@@ -554,6 +554,70 @@ class Eagle3Head(_EagleBase):
     def _decode(self, input_ids, hidden, **kw):
         return self.layer(hidden, input_embeds=self._embed(input_ids), **kw)
 
+    @torch.inference_mode()
+    def fused_draft(self, input_ids: torch.Tensor | None, features: torch.Tensor | None, hidden: torch.Tensor | None,
+                    depth: int, cache: StaticKVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The drafter's queued committed pairs (next ``input_ids`` ``[1, n]``, raw target ``features``
+        ``[1, n, F, H]``; None when nothing is queued) run on ``cache`` and committed, then a greedy chain of
+        ``depth`` drafts from the last output (or from ``hidden`` ``[1, H]``), in one C call
+        (:func:`.cpu_layers.eagle3_draft`): what :meth:`fuse_features`, :meth:`step` and
+        :meth:`compute_logits` with an argmax per depth compute, the same bits, without ~1 ms of
+        Python per drafting step. Returns (target ids ``[depth]``, the new root hidden ``[1, H]``),
+        or None where it does not run (not the AVX-512 BF16 kernels, another dtype, more than
+        ``cpu_layers.MAX_TOKENS`` queued pairs): the caller takes the step-by-step path."""
+        n = 0 if input_ids is None else input_ids.shape[1]
+        run = self.__dict__.get("_linears")
+        if run is None or tuple(run.kernels[:2]) != ("avx512bf16", "avx512bf16") or n > cpu_layers.MAX_TOKENS \
+                or (n == 0 and (depth == 0 or hidden is None)) \
+                or (n and (input_ids.shape[0] != 1 or features.dtype != torch.bfloat16 or features.device.type != "cpu")):
+            return None
+        table = self._layer_table(1, max(n, 1), None, cache)
+        w = None if table is None else self._draft_weights(run)
+        if w is None:
+            return None
+        cache.check_ready()
+        steps = n + max(depth - 1, 0)  # new cache entries: the queued pairs, every draft but the last
+        cache.reserve(steps)
+        past = cache.length
+        cos, sin = self._rope.span(past, steps, w["onw"])
+        a = self.architecture
+        H = a["hidden_size"]
+        tokens, h = cpu_layers.eagle3_draft(
+            table, w, features.reshape(n, -1, H) if n else None, input_ids if n else None, hidden, depth, cache.kv,
+            past, cos, sin, heads=(a["num_attention_heads"], a["num_key_value_heads"]),
+            intermediate=a["intermediate_size"], eps=w["eps"], scale=self.layer.self_attn.scaling)
+        if n:
+            cache.mark_appended(n)
+            cache.commit()
+        return tokens, h.view(1, H)
+
+    def _draft_weights(self, run: PreparedLinears) -> dict | None:
+        """:meth:`fused_draft`'s weights (see :func:`.cpu_layers.eagle3_draft`), kept while they are
+        unchanged; None when they do not fit it (not bf16 on CPU, norms of different epsilons)."""
+        layer = self.layer
+        norms = [*self.feature_norms, layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, self.norm]
+        emb = self.embed_tokens.weight
+        tensors = [m.weight for m in norms] + [emb, self.d2t]
+        stamp = (id(run),) + tuple(run._stamp(t) for t in tensors) + tuple(m.variance_epsilon for m in norms)
+        cached = self.__dict__.get("_draft_w")
+        if cached is not None and cached[0] == stamp:
+            w = cached[1]
+        else:
+            if len({m.variance_epsilon for m in norms}) != 1 or any(t.device.type != "cpu" for t in tensors) \
+                    or any(t.dtype != torch.bfloat16 for t in tensors[:-1]) or not emb.is_contiguous():
+                w = None
+            else:
+                w = {"fnw": torch.stack([m.weight.detach() for m in self.feature_norms]), "inw": layer.input_layernorm.weight,
+                     "hnw": layer.hidden_norm.weight, "onw": self.norm.weight, "emb": emb, "eps": norms[0].variance_epsilon,
+                     "d2t": self.d2t.contiguous()}
+                w = {k: v.detach().contiguous() if isinstance(v, torch.Tensor) else v for k, v in w.items()}
+            self.__dict__["_draft_w"] = (stamp, w)
+        if w is None:
+            return None
+        # the products' prepared weights: remade by PreparedLinears when edited
+        fcw, lmw = run._entry((self.fc,), "avx512bf16")[0], run._entry((self.lm_head,), "avx512bf16")[0]
+        return {**w, "fcw": fcw, "lmw": lmw} if fcw.dtype == lmw.dtype == torch.bfloat16 else None
+
     def _step_inputs(self, input_ids, hidden):
         layer = self.layer
         return torch.cat([self._norm(layer.input_layernorm, self._embed(input_ids)), self._norm(layer.hidden_norm, hidden)],
