@@ -191,6 +191,7 @@ ATTN(sf_attn_f32, float, ld_f32)
 # widened exactly; one (row, query head) per task
 _SOURCE_DECODE = r"""
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <math.h>
 #include <stdlib.h>
@@ -201,62 +202,130 @@ static inline __m512 exp512(__m512 x) {  /* x <= 0 */
     return _mm512_scalef_ps(p, n);
 }
 static inline __m512 wid(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+#define SF_ROWS_MAX 4  /* query rows per task */
+static inline void scores_row(const __m512bh *qb, const uint16_t *Kh, int D, int c0, int nc, float scale, float *dst) {
+    __m512 v[16];
+    if (nc == 16) {
+        const uint16_t *kr = Kh + (int64_t)c0 * D;
+        _Pragma("GCC unroll 16") for (int j = 0; j < 16; j++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int k = 0; k < D / 32; k++)
+                a = _mm512_dpbf16_ps(a, qb[k], (__m512bh)_mm512_loadu_si512(kr + (int64_t)j * D + 32 * k));
+            v[j] = a;
+        }
+    } else {
+        for (int j = 0; j < 16; j++) {
+            const uint16_t *kr = Kh + (int64_t)(c0 + (j < nc ? j : 0)) * D;
+            __m512 a = _mm512_setzero_ps();
+            for (int k = 0; k < D / 32; k++)
+                a = _mm512_dpbf16_ps(a, qb[k], (__m512bh)_mm512_loadu_si512(kr + 32 * k));
+            v[j] = a;
+        }
+    }
+    __m512 t8[8], u[4];
+    for (int j = 0; j < 8; j++)
+        t8[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; j++)
+        u[j] = _mm512_add_ps(_mm512_shuffle_ps(t8[2 * j], t8[2 * j + 1], 0x44), _mm512_shuffle_ps(t8[2 * j], t8[2 * j + 1], 0xEE));
+    __m512 p0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    __m512 p1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(p0, p1, 0x88), _mm512_shuffle_f32x4(p0, p1, 0xDD));
+    _mm512_store_ps(dst, _mm512_mul_ps(s, _mm512_set1_ps(scale)));
+}
+/* sum_col p[r][col] * V[col] for G rows at once (KD = D / 16 vectors per V row); columns with p == 0 skipped per row */
+#define PV_GROUP(G, KD)                                                                              \
+static void pv##G##_##KD(float *const *sp, const uint16_t *Vh, int W, const float *inv, float *const *o) { \
+    __m512 acc[G][KD];                                                                               \
+    _Pragma("GCC unroll 16") for (int r = 0; r < G; r++)                                             \
+        _Pragma("GCC unroll 16") for (int k = 0; k < KD; k++) acc[r][k] = _mm512_setzero_ps();       \
+    for (int col = 0; col < W; col++) {                                                              \
+        const uint16_t *vr = Vh + (int64_t)col * KD * 16;                                            \
+        __m512 v[KD];                                                                                \
+        _Pragma("GCC unroll 16") for (int k = 0; k < KD; k++) v[k] = wid(_mm256_loadu_si256((const __m256i *)(vr + 16 * k))); \
+        _Pragma("GCC unroll 16") for (int r = 0; r < G; r++) {                                       \
+            float p = sp[r][col];                                                                    \
+            if (p == 0.0f) continue;                                                                 \
+            __m512 pv = _mm512_set1_ps(p);                                                           \
+            _Pragma("GCC unroll 16") for (int k = 0; k < KD; k++) acc[r][k] = _mm512_fmadd_ps(pv, v[k], acc[r][k]); \
+        }                                                                                            \
+    }                                                                                                \
+    _Pragma("GCC unroll 16") for (int r = 0; r < G; r++) {                                           \
+        __m512 iv = _mm512_set1_ps(inv[r]);                                                          \
+        _Pragma("GCC unroll 16") for (int k = 0; k < KD; k++) _mm512_storeu_ps(o[r] + 16 * k, _mm512_mul_ps(acc[r][k], iv)); \
+    }                                                                                                \
+}
+PV_GROUP(4, 4) PV_GROUP(2, 4) PV_GROUP(2, 8) PV_GROUP(1, 4) PV_GROUP(1, 8)
+static void pv_one(const float *sp, const uint16_t *Vh, int W, int D, float inv, float *o) {
+    __m512 acc[16];
+    for (int k = 0; k < D / 16; k++) acc[k] = _mm512_setzero_ps();
+    for (int col = 0; col < W; col++) {
+        float p = sp[col];
+        if (p == 0.0f) continue;
+        __m512 pv = _mm512_set1_ps(p);
+        const uint16_t *vr = Vh + (int64_t)col * D;
+        for (int k = 0; k < D / 16; k++)
+            acc[k] = _mm512_fmadd_ps(pv, wid(_mm256_loadu_si256((const __m256i *)(vr + 16 * k))), acc[k]);
+    }
+    __m512 iv = _mm512_set1_ps(inv);
+    for (int k = 0; k < D / 16; k++) _mm512_storeu_ps(o + 16 * k, _mm512_mul_ps(acc[k], iv));
+}
+
 /* rows b < B of a slot cache, each over its own columns: q fp32 [T][hq][D] (row b's counts[b] tokens
    from flat index first[b]); K, V bf16 [slot][hkv][cap][D] (strides s_slot, s_head elements); row b
    sees columns 0..lens[b]-1 and, among its new columns lens[b]+j, those where block[b][t][j] (uint8
    [B][nb][nb]; NULL = causal); out fp32 [T][hq][D]. D % 32 == 0, D <= 256. bw > 0 (one row, a drafting
-   head's tree): the block [n][bw] covers the last bw columns (the new ones and earlier drafts), nb == bw. */
+   head's tree): the block [n][bw] covers the last bw columns (the new ones and earlier drafts), nb == bw.
+   One task per (row b, kv head h, part of the g * counts[b] query rows that share that kv head): the
+   part's rows score each 16-column chunk of K while it is in L1, and their P V sums run together (one
+   widened V row feeds up to 4 rows at D = 64, 2 at D = 128: independent sums, not one latency-bound
+   chain). Each query row's sums run in the same order whatever the grouping, so a token's output is
+   the same bits in any step (measured 1.2-1.5x the one-task-per-query-head version at 1-8 tokens,
+   400-1000 columns: docs/results.md, twenty-fourth session). */
 int sf_attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int64_t s_slot, int64_t s_head,
                   const int32_t *lens, const int32_t *counts, const int32_t *first, const uint8_t *blk, int nb,
                   int B, int hq, int hkv, int D, float scale, float *out, int bw) {
-    int g = hq / hkv, failed = 0;
+    int g = hq / hkv, failed = 0, rmax = 0;
+    for (int b = 0; b < B; b++) rmax = g * counts[b] > rmax ? g * counts[b] : rmax;
+    int np = (rmax + SF_ROWS_MAX - 1) / SF_ROWS_MAX, want = 2 * omp_get_max_threads();
+    if (B * hkv * np < want) np = rmax;  /* few tasks (one token, several threads): one query row each */
+    if (np < 1) np = 1;
+    int ps = (rmax + np - 1) / np;
     _Pragma("omp parallel for schedule(dynamic, 1)")
-    for (int bh = 0; bh < B * hq; bh++) {
-        int b = bh / hq, hh = bh % hq, h = hh / g, n = counts[b], W = lens[b] + n, WP = (W + 15) / 16 * 16;
-        int L = bw ? W - bw : lens[b];  /* where the block's columns start (bw: a block over more than the new ones) */
+    for (int task = 0; task < B * hkv * np; task++) {
+        int b = task / (hkv * np), h = task / np % hkv, part = task % np;
+        int n = counts[b], R = g * n, r0 = part * ps, r1 = r0 + ps < R ? r0 + ps : R;
+        if (r0 >= r1) continue;
+        int P = r1 - r0, W = lens[b] + n, WP = (W + 15) / 16 * 16;
+        int L = bw ? W - bw : lens[b];
         const uint16_t *Kh = Kc + b * s_slot + h * s_head, *Vh = Vc + b * s_slot + h * s_head;
         const uint8_t *block = blk ? blk + (int64_t)b * nb * nb : 0;
         const float *qb0 = q + (int64_t)first[b] * hq * D;
         float *ob0 = out + (int64_t)first[b] * hq * D;
-        float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)n * WP);
-        if (!sc) { _Pragma("omp atomic write") failed = 1; continue; }  /* reported: see check() */
-        /* scores: per query row, 16 columns at a time: 2 bf16 dot products per column into 16 partial
-           sums each, then one transposed reduction of the 16 vectors into the 16 scores */
-        for (int t = 0; t < n; t++) {
-            const float *qr = qb0 + ((int64_t)t * hq + hh) * D;
-            __m512bh qb[8];
+        float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)P * WP);
+        if (!sc) { _Pragma("omp atomic write") failed = 1; continue; }
+        int tt[SF_ROWS_MAX], hh[SF_ROWS_MAX];
+        __m512bh qb[SF_ROWS_MAX][8];  /* each row's query as bf16 pairs, converted once */
+        for (int r = 0; r < P; r++) {
+            tt[r] = (r0 + r) / g; hh[r] = h * g + (r0 + r) % g;
+            const float *qr = qb0 + ((int64_t)tt[r] * hq + hh[r]) * D;
             for (int k = 0; k < D / 32; k++)
-                qb[k] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr + 32 * k + 16), _mm512_loadu_ps(qr + 32 * k));
-            float *sp = sc + (int64_t)t * WP;
-            for (int c0 = 0; c0 < W; c0 += 16) {
-                int nc = W - c0 < 16 ? W - c0 : 16;
-                __m512 v[16];
-                for (int j = 0; j < 16; j++) {
-                    const uint16_t *kr = Kh + (int64_t)(c0 + (j < nc ? j : 0)) * D;
-                    __m512 a = _mm512_setzero_ps();
-                    for (int k = 0; k < D / 32; k++)
-                        a = _mm512_dpbf16_ps(a, qb[k], (__m512bh)_mm512_loadu_si512(kr + 32 * k));
-                    v[j] = a;
-                }
-                __m512 t8[8], u[4];
-                for (int j = 0; j < 8; j++)
-                    t8[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-                for (int j = 0; j < 4; j++)
-                    u[j] = _mm512_add_ps(_mm512_shuffle_ps(t8[2 * j], t8[2 * j + 1], 0x44), _mm512_shuffle_ps(t8[2 * j], t8[2 * j + 1], 0xEE));
-                __m512 p0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-                __m512 p1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-                __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(p0, p1, 0x88), _mm512_shuffle_f32x4(p0, p1, 0xDD));
-                _mm512_store_ps(sp + c0, _mm512_mul_ps(s, _mm512_set1_ps(scale)));
+                qb[r][k] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr + 32 * k + 16), _mm512_loadu_ps(qr + 32 * k));
+        }
+        for (int c0 = 0; c0 < W; c0 += 16) {
+            int nc = W - c0 < 16 ? W - c0 : 16;
+            for (int r = 0; r < P; r++) {
+                float *sp = sc + (int64_t)r * WP;
+                scores_row(qb[r], Kh, D, c0, nc, scale, sp + c0);
                 if (c0 + 16 > L)
                     for (int j = 0; j < 16; j++) {
-                        int col = c0 + j;
+                        int col = c0 + j, t = tt[r];
                         if (col >= W || (col >= L && !(block ? block[t * nb + (col - L)] : (col - L) <= t))) sp[c0 + j] = -INFINITY;
                     }
             }
         }
-        /* softmax per row, then P V (V widened 16 dims at a time) */
-        for (int t = 0; t < n; t++) {
-            float *sp = sc + (int64_t)t * WP;
+        float inv[SF_ROWS_MAX], *sps[SF_ROWS_MAX], *os[SF_ROWS_MAX];
+        for (int r = 0; r < P; r++) {
+            float *sp = sc + (int64_t)r * WP;
             __m512 m = _mm512_set1_ps(-INFINITY);
             for (int j = 0; j < WP; j += 16) m = _mm512_max_ps(m, _mm512_load_ps(sp + j));
             float mx = _mm512_reduce_max_ps(m);
@@ -268,21 +337,20 @@ int sf_attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int64_t
                 _mm512_store_ps(sp + j, e);
                 tot = _mm512_add_ps(tot, e);
             }
-            float inv = 1.0f / _mm512_reduce_add_ps(tot);
-            float *o = ob0 + ((int64_t)t * hq + hh) * D;
-            __m512 acc[16];
-            for (int k = 0; k < D / 16; k++) acc[k] = _mm512_setzero_ps();
-            for (int col = 0; col < W; col++) {
-                float p = sp[col];
-                if (p == 0.0f) continue;
-                __m512 pv = _mm512_set1_ps(p);
-                const uint16_t *vr = Vh + (int64_t)col * D;
-                for (int k = 0; k < D / 16; k++)
-                    acc[k] = _mm512_fmadd_ps(pv, wid(_mm256_loadu_si256((const __m256i *)(vr + 16 * k))), acc[k]);
-            }
-            __m512 iv = _mm512_set1_ps(inv);
-            for (int k = 0; k < D / 16; k++) _mm512_storeu_ps(o + 16 * k, _mm512_mul_ps(acc[k], iv));
+            inv[r] = 1.0f / _mm512_reduce_add_ps(tot);
+            sps[r] = sp;
+            os[r] = ob0 + ((int64_t)tt[r] * hq + hh[r]) * D;
         }
+        int r = 0;
+        if (D == 64) {
+            for (; r + 4 <= P; r += 4) pv4_4(sps + r, Vh, W, inv + r, os + r);
+            for (; r + 2 <= P; r += 2) pv2_4(sps + r, Vh, W, inv + r, os + r);
+            for (; r < P; r++) pv1_4(sps + r, Vh, W, inv + r, os + r);
+        } else if (D == 128) {
+            for (; r + 2 <= P; r += 2) pv2_8(sps + r, Vh, W, inv + r, os + r);
+            for (; r < P; r++) pv1_8(sps + r, Vh, W, inv + r, os + r);
+        }
+        for (; r < P; r++) pv_one(sps[r], Vh, W, D, inv[r], os[r]);
         free(sc);
     }
     return failed;

@@ -107,7 +107,7 @@ static inline float from_bf16(uint16_t h) { union { uint32_t u; float f; } v = {
    slower (1.2-2.6x at 1-4 rows). */
 #define ROWS(N)                                                                                      \
 static void rows##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int in, \
-                    int out, int o0, int o1) {                                                      \
+                    int out, int o0, int o1, int keep) {                                            \
     int tail = in % 32, body = in - tail;                                                          \
     __mmask32 m = (__mmask32)((1ull << tail) - 1);                                                  \
     for (int o = o0; o < o1; o++) {                                                                \
@@ -118,8 +118,10 @@ static void rows##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
         }                                                                                          \
         int i = 0;                                                                                 \
         for (; i + 64 <= body; i += 64) {                                                          \
-            _mm_prefetch((const char *)(wr + i + SF_PF), _MM_HINT_NTA);                            \
-            _mm_prefetch((const char *)(wr + i + SF_PF + 32), _MM_HINT_NTA);                       \
+            if (!keep) {                                                                           \
+                _mm_prefetch((const char *)(wr + i + SF_PF), _MM_HINT_NTA);                        \
+                _mm_prefetch((const char *)(wr + i + SF_PF + 32), _MM_HINT_NTA);                   \
+            }                                                                                      \
             __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + i);                                   \
             __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + i + 32);                              \
             /* kept in registers: without this GCC reloads the weights once per row of x */          \
@@ -148,17 +150,20 @@ static void rows##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
 }
 ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 
-typedef void (*rows_fn)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int, int, int, int);
+typedef void (*rows_fn)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int, int, int, int, int);
 static const rows_fn ROWS_FN[9] = {0, rows1, rows2, rows3, rows4, rows5, rows6, rows7, rows8};
 
-/* outputs in chunks of 32 per thread task; within a chunk every 8 rows of x in turn */
-void sf_gemv_dpbf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int n, int in, int out) {
+/* outputs in chunks of 32 per thread task; within a chunk every 8 rows of x in turn. keep: weights
+   read again soon (a speculator head's, every step): plain loads, no non-temporal prefetch, so they
+   stay in L3 across the target's streamed weights */
+void sf_gemv_dpbf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int n, int in, int out,
+                    int keep) {
     _Pragma("omp parallel for schedule(static)")
     for (int c = 0; c < (out + 31) / 32; c++) {
         int o0 = c * 32, o1 = o0 + 32 < out ? o0 + 32 : out;
         for (int r0 = 0; r0 < n; r0 += 8) {
             int k = n - r0 < 8 ? n - r0 : 8;
-            ROWS_FN[k](x + (int64_t)r0 * in, w, bias, y + (int64_t)r0 * out, in, out, o0, o1);
+            ROWS_FN[k](x + (int64_t)r0 * in, w, bias, y + (int64_t)r0 * out, in, out, o0, o1, keep);
         }
     }
 }
@@ -167,7 +172,7 @@ void sf_gemv_dpbf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
 @functools.lru_cache(maxsize=1)
 def _load_bf16() -> tuple[ctypes.CDLL | None, str | None]:
     p, i = ctypes.c_void_p, ctypes.c_int
-    return build("sfgemvbf16", _SOURCE_BF16, {"sf_gemv_dpbf16": [p, p, p, p, i, i, i]}, isa=AVX512_BF16)
+    return build("sfgemvbf16", _SOURCE_BF16, {"sf_gemv_dpbf16": [p, p, p, p, i, i, i, i]}, isa=AVX512_BF16)
 
 
 def bf16_unavailable_reason() -> str | None:
@@ -185,10 +190,11 @@ def bf16_supports(w: torch.Tensor) -> bool:
         and w.shape[1] % 2 == 0
 
 
-def gemv_bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, keep: bool = False) -> torch.Tensor:
     """``F.linear(x, w, b)`` for bf16 ``x`` ``[..., in]`` and bf16 ``w`` with the AVX-512 BF16 kernel:
     fp32 sums (bias added before the one rounding to bf16), any row count (8 at a time over each
-    block of weight rows, read from memory once)."""
+    block of weight rows, read from memory once). ``keep``: ``w`` is read again every step (a
+    speculator head's): plain loads instead of the non-temporal prefetch, so it stays in L3."""
     lib = _load_bf16()[0]
     if lib is None:
         raise RuntimeError(f"the avx512bf16 kernel is unavailable: {bf16_unavailable_reason()}")
@@ -202,7 +208,7 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -
     if n:
         bias = None if b is None else b.to(torch.bfloat16).contiguous()
         lib.sf_gemv_dpbf16(x2.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                           n, in_f, out_f)
+                           n, in_f, out_f, int(keep))
     return y.view(*x.shape[:-1], out_f)
 
 

@@ -112,7 +112,7 @@ static inline __m512 rope16(const uint16_t *h, const uint16_t *c, const uint16_t
 int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, float scale, const int64_t *wp,
                const uint16_t *xin, int in_dim, uint16_t *x, const uint16_t *cs, const uint16_t *sn, uint16_t *kv,
                int64_t s_layer, int64_t s_kv, int64_t s_head, int past, const uint8_t *blk, const int32_t *fl,
-               int nf, uint16_t *feats, uint16_t *wb, float *wf, int bw) {
+               int nf, uint16_t *feats, uint16_t *wb, float *wf, int bw, int keep) {
     int nqkv = (hq + 2 * hkv) * D, wide = in_dim > H ? in_dim : H;
     uint16_t *h = wb, *qkv = h + (int64_t)n * wide, *ao = qkv + (int64_t)n * nqkv, *o = ao + (int64_t)n * hq * D;
     uint16_t *gu = o + (int64_t)n * H, *m = gu + (int64_t)n * 2 * I;
@@ -127,7 +127,7 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
         const uint16_t *ain = xin;
         int k_in = in_dim;
         if (p[0]) { norm_rows(x, (const uint16_t *)p[0], h, n, H, eps); ain = h; k_in = H; }
-        sf_gemv_dpbf16(ain, (const uint16_t *)p[1], (const uint16_t *)p[2], qkv, n, k_in, nqkv);
+        sf_gemv_dpbf16(ain, (const uint16_t *)p[1], (const uint16_t *)p[2], qkv, n, k_in, nqkv, keep);
         uint16_t *K = kv + l * s_layer, *V = K + s_kv;
         for (int t = 0; t < n; t++) {
             const uint16_t *row = qkv + (int64_t)t * nqkv, *c = cs + (int64_t)t * D, *s = sn + (int64_t)t * D;
@@ -143,10 +143,10 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
         if (sf_attn_rows(qf, K, V, 0, s_head, &lens, &counts, &first, blk, bw ? bw : n, 1, hq, hkv, D, scale, of, bw))
             return 1;
         for (int64_t i = 0; i < (int64_t)n * hq * D; i += 16) st16(ao + i, _mm512_loadu_ps(of + i));
-        sf_gemv_dpbf16(ao, (const uint16_t *)p[3], 0, o, n, hq * D, H);
+        sf_gemv_dpbf16(ao, (const uint16_t *)p[3], 0, o, n, hq * D, H, keep);
         for (int64_t i = 0; i < (int64_t)n * H; i += 16) st16(x + i, _mm512_add_ps(ld16(x + i), ld16(o + i)));
         norm_rows(x, (const uint16_t *)p[4], h, n, H, eps);
-        sf_gemv_dpbf16(h, (const uint16_t *)p[5], 0, gu, n, H, 2 * I);
+        sf_gemv_dpbf16(h, (const uint16_t *)p[5], 0, gu, n, H, 2 * I, keep);
         for (int t = 0; t < n; t++)
             for (int i = 0; i < I; i += 16) {
                 __m512 g = ld16(gu + (int64_t)t * 2 * I + i), u = ld16(gu + (int64_t)t * 2 * I + I + i);
@@ -156,7 +156,7 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
                 __m512 sig = _mm512_mask_mul_ps(inv, neg, inv, e);  /* sigmoid: 1/(1+e) or e/(1+e) */
                 st16(m + (int64_t)t * I + i, _mm512_mul_ps(rnd(_mm512_mul_ps(g, sig)), u));
             }
-        sf_gemv_dpbf16(m, (const uint16_t *)p[6], 0, o, n, I, H);
+        sf_gemv_dpbf16(m, (const uint16_t *)p[6], 0, o, n, I, H, keep);
         for (int64_t i = 0; i < (int64_t)n * H; i += 16) st16(x + i, _mm512_add_ps(ld16(x + i), ld16(o + i)));
     }
     return 0;
@@ -171,32 +171,33 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
    identity) into tokens[d], and for each but the last draft one layer step of (h, token) at the
    next position. cs/sn [n + max(depth - 1, 0)][D]: RoPE at past.. on. Each piece is the op the Python path
    runs (the same C norms and products), so the drafts are the same bits. wb/wf: sf_layers' work
-   buffers for max(n, 1) rows; lb: bf16 work of n*F*H + n*H + max(n, 1)*2H + H + Vd. */
+   buffers for max(n, 1) rows; lb: bf16 work of n*F*H + n*H + max(n, 1)*2H + H + Vd. keep: the
+   weights' reads without the non-temporal hint (a head's, read every step: they stay in L3). */
 int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, const uint16_t *fnw,
                     const uint16_t *fcw, int depth, const int64_t *wp, const uint16_t *inw, const uint16_t *hnw,
                     const uint16_t *onw, const uint16_t *lmw, int Vd, const int64_t *d2t, const uint16_t *emb,
                     int H, int hq, int hkv, int D, int I, float eps, float scale, uint16_t *kv, int64_t s_kv,
                     int64_t s_head, int past, const uint16_t *cs, const uint16_t *sn, uint16_t *h, int64_t *tokens,
-                    uint16_t *wb, float *wf, uint16_t *lb) {
+                    uint16_t *wb, float *wf, uint16_t *lb, int keep) {
     int rows = n > 0 ? n : 1;
     uint16_t *nfeat = lb, *x = nfeat + (int64_t)n * F * H, *xin = x + (int64_t)n * H;
     uint16_t *hn = xin + (int64_t)rows * 2 * H, *logits = hn + H;
     if (n > 0) {
         for (int64_t r = 0; r < (int64_t)n * F; r++) norm_rows(feats + r * H, fnw + (r % F) * H, nfeat + r * H, 1, H, eps);
-        sf_gemv_dpbf16(nfeat, fcw, 0, x, n, F * H, H);
+        sf_gemv_dpbf16(nfeat, fcw, 0, x, n, F * H, H, keep);
         for (int t = 0; t < n; t++) {
             norm_rows(emb + qids[t] * H, inw, xin + (int64_t)t * 2 * H, 1, H, eps);
             norm_rows(x + (int64_t)t * H, hnw, xin + (int64_t)t * 2 * H + H, 1, H, eps);
         }
         if (sf_layers(n, 1, H, hq, hkv, D, I, eps, scale, wp, xin, 2 * H, x, cs, sn, kv, 0, s_kv, s_head, past,
-                      0, 0, 0, 0, wb, wf, 0))
+                      0, 0, 0, 0, wb, wf, 0, keep))
             return 1;
         for (int i = 0; i < H; i++) h[i] = x[(int64_t)(n - 1) * H + i];
         past += n; cs += (int64_t)n * D; sn += (int64_t)n * D;
     }
     for (int d = 0; d < depth; d++) {
         norm_rows(h, onw, hn, 1, H, eps);
-        sf_gemv_dpbf16(hn, lmw, 0, logits, 1, H, Vd);
+        sf_gemv_dpbf16(hn, lmw, 0, logits, 1, H, Vd, keep);
         int64_t a;
         sf_argmax_bf16(logits, 1, Vd, &a);
         tokens[d] = d2t ? d2t[a] : a;
@@ -204,7 +205,7 @@ int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, co
         norm_rows(emb + tokens[d] * H, inw, xin, 1, H, eps);
         norm_rows(h, hnw, xin + H, 1, H, eps);
         if (sf_layers(1, 1, H, hq, hkv, D, I, eps, scale, wp, xin, 2 * H, h, cs + (int64_t)d * D, sn + (int64_t)d * D,
-                      kv, 0, s_kv, s_head, past + d, 0, 0, 0, 0, wb, wf, 0))
+                      kv, 0, s_kv, s_head, past + d, 0, 0, 0, 0, wb, wf, 0, keep))
             return 1;
     }
     return 0;
@@ -217,8 +218,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     # one library: the few-row product and the attention kernel are compiled in with the layer loop
     source = cpu_gemv._SOURCE_BF16 + cpu_attention._SOURCE_DECODE + _LAYER
-    args = [i32] * 7 + [f32, f32, p, p, i32, p, p, p, p, i64, i64, i64, i32, p, p, i32, p, p, p, i32]
-    draft = [i32, p, p, i32, p, p, i32, p, p, p, p, p, i32, p, p] + [i32] * 5 + [f32, f32, p, i64, i64, i32] + [p] * 7
+    args = [i32] * 7 + [f32, f32, p, p, i32, p, p, p, p, i64, i64, i64, i32, p, p, i32, p, p, p, i32, i32]
+    draft = [i32, p, p, i32, p, p, i32, p, p, p, p, p, i32, p, p] + [i32] * 5 + [f32, f32, p, i64, i64, i32] + [p] * 7 + [i32]
     fns = {"sf_layers": args, "sf_rms_norm": [p, p, p, i64, i32, f32, i32], "sf_argmax_bf16": [p, i64, i64, p],
            "sf_eagle3_draft": draft}
     return cpu_attention._returning_int(build("sflayers", source, fns, isa=AVX512_BF16), "sf_layers", "sf_eagle3_draft")
@@ -287,14 +288,15 @@ def layer_table(layers: list[dict]) -> torch.Tensor:
 
 def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor,
                past: int, block: torch.Tensor | None, *, heads: tuple[int, int], intermediate: int, eps: float,
-               scale: float, feature_layers: tuple[int, ...] = (), xin: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, list]:
+               scale: float, feature_layers: tuple[int, ...] = (), xin: torch.Tensor | None = None,
+               keep: bool = False) -> tuple[torch.Tensor, list]:
     """The layers of ``table`` over the residual stream ``x`` ``[1, n, H]`` (bf16; a new tensor is
     returned, ``x`` is not changed): ``cos``/``sin`` ``[1, n, 1, D]``; ``layer_kv`` the cache
     ``[L, 2, 1, hkv, capacity, D]`` (the new K/V written at ``past``); ``block`` ``[1, n, k]`` bool over
     the last ``k`` columns, the ``n`` new ones included (``k > n``: a drafting head's tree), everything
     before them visible, or None (causal); ``heads`` ``(hq, hkv)``. ``xin`` ``[1, n, in]``: the first layer's attention
-    input when its table row has no input norm (an EAGLE-3 head's 2H-wide input). Returns (x after
+    input when its table row has no input norm (an EAGLE-3 head's 2H-wide input). ``keep``: the
+    weights are read again every step (a head's): see :func:`.cpu_gemv.gemv_bf16`. Returns (x after
     the layers, ``[(i, x at the input of layer i)]`` for ``feature_layers`` below ``L``)."""
     lib = _load()[0]
     if lib is None:
@@ -327,15 +329,15 @@ def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
                            None if xin is None else xin.data_ptr(), in_dim, x.data_ptr(), c.data_ptr(), s.data_ptr(),
                            layer_kv.data_ptr(), layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(3), past,
                            None if b8 is None else b8.data_ptr(), fl.data_ptr(), len(want), feats.data_ptr(),
-                           wb.data_ptr(), wf.data_ptr(), bw)
+                           wb.data_ptr(), wf.data_ptr(), bw, int(keep))
     cpu_attention.check(status)
     return x.view(1, n, H), [(i, feats[:, j].unsqueeze(0)) for j, i in enumerate(want)]
 
 
 def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, ids: torch.Tensor | None,
                  hidden: torch.Tensor | None, depth: int, layer_kv: torch.Tensor, past: int, cos: torch.Tensor,
-                 sin: torch.Tensor, *, heads: tuple[int, int], intermediate: int, eps: float, scale: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 sin: torch.Tensor, *, heads: tuple[int, int], intermediate: int, eps: float, scale: float,
+                 keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """An EAGLE-3 head's drafting step for one sequence in one C call: the queued committed pairs
     (raw target ``features`` ``[n, F, H]`` and next ``ids`` ``[n]``, or None) through the feature
     norms, ``fc`` and the head's layer (their K/V written at ``past``), then a greedy chain of
@@ -343,7 +345,8 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
     ``table``: the head layer's :func:`layer_table`; ``w``: bf16 ``fnw`` ``[F, H]``, ``fcw``, ``inw``,
     ``hnw``, ``onw`` (input, hidden and output norms), ``lmw`` ``[Vd, H]``, ``emb`` ``[V, H]``, and
     ``d2t`` (long ``[Vd]`` or None); ``cos``/``sin`` ``[n + max(depth - 1, 0), D]`` from position ``past``.
-    The drafts' K/V are written after the queued pairs' and left uncommitted. Returns (target ids
+    The drafts' K/V are written after the queued pairs' and left uncommitted. ``keep``: as in
+    :func:`run_layers` (default: a head's weights are read every step). Returns (target ids
     ``[depth]``, the new root hidden ``[H]``)."""
     lib = _load()[0]
     if lib is None:
@@ -376,6 +379,6 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
         w["inw"].data_ptr(), w["hnw"].data_ptr(), w["onw"].data_ptr(), w["lmw"].data_ptr(), Vd, ptr(w["d2t"]),
         w["emb"].data_ptr(), H, hq, hkv, D, intermediate, float(eps), float(scale), layer_kv.data_ptr(),
         layer_kv.stride(1), layer_kv.stride(3), past, cos.data_ptr(), sin.data_ptr(), h.data_ptr(), tokens.data_ptr(),
-        wb.data_ptr(), wf.data_ptr(), lb.data_ptr())
+        wb.data_ptr(), wf.data_ptr(), lb.data_ptr(), int(keep))
     cpu_attention.check(status)
     return tokens[:depth], h

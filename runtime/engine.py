@@ -172,10 +172,10 @@ def _gemv_t(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None = None) ->
     return y if b is None else y + b
 
 
-def _avx512bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def _avx512bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, keep: bool = False) -> torch.Tensor:
     # bf16 products only; a head kept in another dtype that reuses the target's choice gets ATen's
     if x.dtype == w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0:
-        return cpu_gemv.gemv_bf16(x, w, b)
+        return cpu_gemv.gemv_bf16(x, w, b, keep=keep)
     return F.linear(x, w, b)
 
 
@@ -244,6 +244,8 @@ class PreparedLinears:
         """``cat([lin(x) for lin in lins], -1)`` as one product over the concatenated weights."""
         kernel = kernel_for(self.kernels, x.numel() // x.shape[-1])
         hit = self._entry(lins, kernel)
+        if kernel == "avx512bf16":  # a head's weights, read every step: kept in L3 (cpu_gemv.gemv_bf16)
+            return _avx512bf16(x, hit[0], hit[2], keep=True)
         return KERNELS[kernel][1](x, hit[0], hit[2])
 
     def _entry(self, lins: tuple[torch.nn.Linear, ...], kernel: str) -> tuple:

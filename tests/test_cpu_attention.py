@@ -79,6 +79,33 @@ def test_a_tokens_output_is_the_same_bits_in_any_batch():
         at += c
 
 
+@pytest.mark.skipif(cpu_attention._load_decode()[0] is None, reason="no AVX-512 BF16 rows kernel here")
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_rows_kernel_gives_a_token_the_same_bits_in_any_batch_grouping_or_thread_count(D):
+    """The AVX-512 BF16 kernel splits each (row, KV head)'s query rows into parts by thread count and
+    groups them for the P V sums: a token's output bits depend on none of that."""
+    lens, counts = [12, 40, 5, 30], [3, 1, 8, 2]
+    q, layer, L, C, first, block = case(torch.bfloat16, D, lens, counts, n=8, seed=2)
+    assert cpu_attention.rows_kernel(layer)
+    together = cpu_attention.slot_attention(q, layer, L, C, first, block, 0.125)
+    want = reference(q, layer, lens, counts, block, 0.125)
+    assert (together.double() - want).abs().max() <= 0.02 * want.abs().max()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # more, smaller parts per (row, KV head)
+        assert torch.equal(cpu_attention.slot_attention(q, layer, L, C, first, block, 0.125), together)
+    finally:
+        torch.set_num_threads(threads)
+    at = 0
+    for b, c in enumerate(counts):
+        for k in range(1, c + 1):  # the row alone, with only its first k tokens
+            alone = cpu_attention.slot_attention(q[at: at + k], layer[:, b: b + 1], L[b: b + 1],
+                                                 torch.tensor([k], dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                                                 block[b: b + 1], 0.125)
+            assert torch.equal(alone, together[at: at + k]), (b, k)
+        at += c
+
+
 def test_slot_forward_with_the_kernel_equals_sdpa_and_solo_forwards(monkeypatch):
     """An fp32 tiny Llama: rows of unequal length with trees and plain rows, the kernel path and the
     SDPA-per-range path of forward_slots agree, and each row's logits are its solo forward's."""

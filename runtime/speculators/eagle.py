@@ -269,7 +269,7 @@ class _EagleBase(nn.Module):
             out, _ = cpu_layers.run_layers(
                 table, residual, cos, sin, cache.kv, past, block, heads=(a["num_attention_heads"], a["num_key_value_heads"]),
                 intermediate=a["intermediate_size"], eps=self.layer.post_attention_layernorm.variance_epsilon,
-                scale=self.layer.self_attn.scaling, xin=x)
+                scale=self.layer.self_attn.scaling, xin=x, keep=True)
             cache.mark_appended(n)
             return out
         mask = masks.get(block, B, n, past)
