@@ -365,9 +365,13 @@ class LlamaEngine:
 
     def weights_version(self) -> int:
         """Sum of the source matrices' in-place version counters: an edit of a weight after the
-        prepared (packed/transposed) copies were made changes it."""
-        return sum(0 if w[k].is_inference() else w[k]._version
-                   for w in self._matrix_holders() for k in _MATRICES if k in w)
+        prepared (packed/transposed) copies were made changes it. (Checked before every forward: the
+        matrices that have a counter are listed once, ~0.13 -> ~0.02 ms per step.)"""
+        tracked = self.__dict__.get("_tracked")
+        if tracked is None:  # inference tensors have no counter (and stay inference tensors)
+            tracked = self._tracked = [w[k] for w in self._matrix_holders() for k in _MATRICES
+                                       if k in w and not w[k].is_inference()]
+        return sum(t._version for t in tracked)
 
     @staticmethod
     def _fused(linears, attr: str) -> torch.Tensor | None:
