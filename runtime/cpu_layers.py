@@ -29,7 +29,7 @@ import functools
 
 import torch
 
-from . import cpu_attention, cpu_gemv
+from . import cpu_attention, cpu_gemv, cpu_verify
 from .native import AVX512_BF16, build
 
 __all__ = ["MAX_TOKENS", "argmax", "available", "eagle3_draft", "layer_table", "rms_norm", "run_layers", "supports", "unavailable_reason"]
@@ -172,13 +172,16 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
    next position. cs/sn [n + max(depth - 1, 0)][D]: RoPE at past.. on. Each piece is the op the Python path
    runs (the same C norms and products), so the drafts are the same bits. wb/wf: sf_layers' work
    buffers for max(n, 1) rows; lb: bf16 work of n*F*H + n*H + max(n, 1)*2H + H + Vd. keep: the
-   weights' reads without the non-temporal hint (a head's, read every step: they stay in L3). */
+   weights' reads without the non-temporal hint (a head's, read every step: they stay in L3).
+   temp > 0: each draft is drawn (cpu_verify's draw, by the fp64 uniform uq[d]) from the draft
+   distribution softmax(logits / temp), written to qout [depth][Vd] for the verifier; 2 when a
+   row's scaled logits are not finite (nothing committed: the caller takes its PyTorch path). */
 int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, const uint16_t *fnw,
                     const uint16_t *fcw, int depth, const int64_t *wp, const uint16_t *inw, const uint16_t *hnw,
                     const uint16_t *onw, const uint16_t *lmw, int Vd, const int64_t *d2t, const uint16_t *emb,
                     int H, int hq, int hkv, int D, int I, float eps, float scale, uint16_t *kv, int64_t s_kv,
                     int64_t s_head, int past, const uint16_t *cs, const uint16_t *sn, uint16_t *h, int64_t *tokens,
-                    uint16_t *wb, float *wf, uint16_t *lb, int keep) {
+                    uint16_t *wb, float *wf, uint16_t *lb, int keep, float temp, const double *uq, float *qout) {
     int rows = n > 0 ? n : 1;
     uint16_t *nfeat = lb, *x = nfeat + (int64_t)n * F * H, *xin = x + (int64_t)n * H;
     uint16_t *hn = xin + (int64_t)rows * 2 * H, *logits = hn + H;
@@ -199,7 +202,14 @@ int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, co
         norm_rows(h, onw, hn, 1, H, eps);
         sf_gemv_dpbf16(hn, lmw, 0, logits, 1, H, Vd, keep);
         int64_t a;
-        sf_argmax_bf16(logits, 1, Vd, &a);
+        if (temp > 0) {  /* sampling: q = softmax(logits / temp) (kept for the verifier), one draw by uq[d] */
+            float mx, sum, *qr = qout + (int64_t)d * Vd;
+            if (stats(logits, 1, Vd, temp, &mx, &sum)) return 2;
+            probs_row(logits, 1, Vd, temp, mx, sum, qr);
+            a = draw(qr, Vd, uq[d]);
+        } else {
+            sf_argmax_bf16(logits, 1, Vd, &a);
+        }
         tokens[d] = d2t ? d2t[a] : a;
         if (d + 1 == depth) break;
         norm_rows(emb + tokens[d] * H, inw, xin, 1, H, eps);
@@ -217,9 +227,10 @@ int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, co
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     # one library: the few-row product and the attention kernel are compiled in with the layer loop
-    source = cpu_gemv._SOURCE_BF16 + cpu_attention._SOURCE_DECODE + _LAYER
+    source = cpu_gemv._SOURCE_BF16 + cpu_attention._SOURCE_DECODE + cpu_verify._SOURCE + _LAYER
     args = [i32] * 7 + [f32, f32, p, p, i32, p, p, p, p, i64, i64, i64, i32, p, p, i32, p, p, p, i32, i32]
-    draft = [i32, p, p, i32, p, p, i32, p, p, p, p, p, i32, p, p] + [i32] * 5 + [f32, f32, p, i64, i64, i32] + [p] * 7 + [i32]
+    draft = [i32, p, p, i32, p, p, i32, p, p, p, p, p, i32, p, p] + [i32] * 5 + [f32, f32, p, i64, i64, i32] + [p] * 7 \
+        + [i32, f32, p, p]
     fns = {"sf_layers": args, "sf_rms_norm": [p, p, p, i64, i32, f32, i32], "sf_argmax_bf16": [p, i64, i64, p],
            "sf_eagle3_draft": draft}
     return cpu_attention._returning_int(build("sflayers", source, fns, isa=AVX512_BF16), "sf_layers", "sf_eagle3_draft")
@@ -337,7 +348,8 @@ def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
 def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, ids: torch.Tensor | None,
                  hidden: torch.Tensor | None, depth: int, layer_kv: torch.Tensor, past: int, cos: torch.Tensor,
                  sin: torch.Tensor, *, heads: tuple[int, int], intermediate: int, eps: float, scale: float,
-                 keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                 keep: bool = True, temperature: float = 0.0, uniforms: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """An EAGLE-3 head's drafting step for one sequence in one C call: the queued committed pairs
     (raw target ``features`` ``[n, F, H]`` and next ``ids`` ``[n]``, or None) through the feature
     norms, ``fc`` and the head's layer (their K/V written at ``past``), then a greedy chain of
@@ -346,8 +358,11 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
     ``hnw``, ``onw`` (input, hidden and output norms), ``lmw`` ``[Vd, H]``, ``emb`` ``[V, H]``, and
     ``d2t`` (long ``[Vd]`` or None); ``cos``/``sin`` ``[n + max(depth - 1, 0), D]`` from position ``past``.
     The drafts' K/V are written after the queued pairs' and left uncommitted. ``keep``: as in
-    :func:`run_layers` (default: a head's weights are read every step). Returns (target ids
-    ``[depth]``, the new root hidden ``[H]``)."""
+    :func:`run_layers` (default: a head's weights are read every step). ``temperature`` > 0: each
+    draft is drawn from ``softmax(logits / temperature)`` over the draft vocabulary by one of the
+    fp64 ``uniforms`` ``[depth]``. Returns (target ids ``[depth]``, the new root hidden ``[H]``, the
+    draft distributions ``[depth, Vd]`` fp32 or None when greedy), or None when sampling met a row
+    of non-finite scaled logits."""
     lib = _load()[0]
     if lib is None:
         raise RuntimeError(f"the layer kernel is unavailable: {unavailable_reason()}")
@@ -374,11 +389,18 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
     cos, sin = cos.contiguous(), sin.contiguous()
     qids = ids.reshape(n).to(torch.long).contiguous() if n else None
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    sampled = temperature > 0
+    if sampled and (uniforms is None or uniforms.dtype != torch.float64 or uniforms.numel() < depth):
+        raise ValueError(f"sampling needs {depth} fp64 uniforms")
+    qout = torch.empty(depth, Vd, dtype=torch.float32) if sampled else None
+    uq = uniforms.contiguous() if sampled else None
     status = lib.sf_eagle3_draft(
         n, ptr(feats), ptr(qids), F, w["fnw"].data_ptr(), w["fcw"].data_ptr(), depth, table.data_ptr(),
         w["inw"].data_ptr(), w["hnw"].data_ptr(), w["onw"].data_ptr(), w["lmw"].data_ptr(), Vd, ptr(w["d2t"]),
         w["emb"].data_ptr(), H, hq, hkv, D, intermediate, float(eps), float(scale), layer_kv.data_ptr(),
         layer_kv.stride(1), layer_kv.stride(3), past, cos.data_ptr(), sin.data_ptr(), h.data_ptr(), tokens.data_ptr(),
-        wb.data_ptr(), wf.data_ptr(), lb.data_ptr(), int(keep))
+        wb.data_ptr(), wf.data_ptr(), lb.data_ptr(), int(keep), float(temperature), ptr(uq), ptr(qout))
+    if status == 2:
+        return None
     cpu_attention.check(status)
-    return tokens[:depth], h
+    return tokens[:depth], h, qout

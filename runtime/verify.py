@@ -243,6 +243,23 @@ def verify_sampling_tree(draft: Draft, target_probs: torch.Tensor,
 # --------------------------------------------------------------------------- dispatch
 
 
+def _sampling_chain_in_c(draft: Draft, target_logits: torch.Tensor, sampling: SamplingParams,
+                         generator: torch.Generator | None) -> VerifyResult | None:
+    """:func:`verify_sampling_chain` of one sequence with temperature-only sampling in one C call
+    (:mod:`.cpu_verify`: the same rule and random numbers, ~0.8 -> ~0.1 ms per step), or None."""
+    from . import cpu_verify  # (a C kernel built on first use)
+
+    q = None if draft.q is None else draft.q[0]
+    out = cpu_verify.sampling_chain(draft.tokens[0], q, target_logits[0], sampling.temperature, generator)
+    if out is None:
+        return None
+    accepted, nxt = out
+    N = draft.tokens.shape[1]
+    ar = torch.arange(N, device=draft.tokens.device).view(1, N)
+    return VerifyResult(torch.tensor([accepted]), torch.where(ar <= accepted, ar, torch.full_like(ar, -1)),
+                        torch.tensor([nxt]))
+
+
 def verify(draft: Draft, target_logits: torch.Tensor, sampling: SamplingParams,
            generator: torch.Generator | None = None) -> VerifyResult:
     """Verify ``draft`` against raw target logits ``[B, N, V]`` under ``sampling``.
@@ -254,5 +271,10 @@ def verify(draft: Draft, target_logits: torch.Tensor, sampling: SamplingParams,
     chain = _is_chain(draft.parents)
     if sampling.greedy:
         return (verify_greedy_chain if chain else verify_greedy_tree)(draft, target_logits)
+    if chain and draft.tokens.shape[0] == 1 and (sampling.top_k is None or sampling.top_k >= target_logits.shape[-1]) \
+            and (sampling.top_p is None or sampling.top_p >= 1.0):
+        done = _sampling_chain_in_c(draft, target_logits, sampling, generator)
+        if done is not None:
+            return done
     probs = probs_from_logits(target_logits, sampling)
     return (verify_sampling_chain if chain else verify_sampling_tree)(draft, probs, generator)

@@ -157,8 +157,9 @@ def _drafts_and_outputs(target, drafter, prompts, lookup: bool = False, temperat
 @pytest.mark.parametrize("case", ["chain", "chain+lookup", "tree", "chain T=1"])
 def test_fused_eagle3_drafting_equals_the_step_by_step_drafting(monkeypatch, case):
     """One C call per proposal (the queued pairs, and a greedy chain) drafts what fuse_features, step and
-    compute_logits do one by one, bit for bit; more than MAX_TOKENS queued pairs (the prompt, a long
-    accepted lookup) take the step-by-step path. Trees and sampled chains run only the queue in it."""
+    compute_logits do one by one, bit for bit (a sampled chain: the same draws, q within fp32 rounding);
+    more than MAX_TOKENS queued pairs (the prompt, a long accepted lookup) take the step-by-step path.
+    Trees run only the queue in it."""
     from specfoundry.runtime.speculators.eagle import Eagle3Head
 
     target = _target(init_std=0.5)
@@ -184,7 +185,8 @@ def test_fused_eagle3_drafting_equals_the_step_by_step_drafting(monkeypatch, cas
     assert len(fused[0]) == len(step_by_step[0])
     for (tok_a, par_a, q_a), (tok_b, par_b, q_b) in zip(fused[0], step_by_step[0]):
         assert tok_a == tok_b and par_a == par_b
-        assert (q_a is None) == (q_b is None) and (q_a is None or torch.equal(q_a, q_b))
+        # a sampled chain's q: the C softmax (its own exponential) within fp32 rounding of PyTorch's
+        assert (q_a is None) == (q_b is None) and (q_a is None or torch.allclose(q_a, q_b, rtol=1e-5, atol=1e-8))
     assert any(len(tok) >= 4 for tok, _, _ in fused[0])  # chains / trees were drafted (root + 3 or more)
     assert (fused[0][-1][2] is not None) == (temperature > 0)
 
@@ -364,7 +366,8 @@ def test_on_the_avx512_attention_every_serving_step_attends_by_the_kernel():
 
 
 def test_speculative_sampling_through_the_kernel_keeps_the_target_distribution(monkeypatch):
-    # T=1 with an EAGLE-3 chain, every target step and head step on the layer kernel: the distribution
+    # T=1 with an EAGLE-3 chain, every target step and head step on the layer kernel, the chain sampled
+    # in the head's C call and verified in C (cpu_verify): the distribution
     # of the first STEPS tokens is the target's own (exact, from the engine's forward), by chi-square;
     # the same harness rejects the head's own distribution
     from test_sampling_lossless import PROMPT, STEPS, V, goodness_of_fit
@@ -385,11 +388,31 @@ def test_speculative_sampling_through_the_kernel_keeps_the_target_distribution(m
         p = probs_from_logits(logits, params)
         exact[seq] = float(torch.prod(p[torch.arange(STEPS), torch.tensor(seq)]))
     gen = SpeculativeGenerator(target, load_drafter("eagle3", target=target, tree="chain", depth=2), adaptive=False)
+    # the drafts sampled in the head's one C call and verified by the C rejection sampler
+    from specfoundry.runtime import cpu_verify
+    from specfoundry.runtime.speculators.eagle import Eagle3Head
+
+    ran = {"draft": 0, "verify": 0}
+    real_draft, real_verify = Eagle3Head.fused_draft, cpu_verify.sampling_chain
+
+    def draft_spy(self, *a):
+        out = real_draft(self, *a)
+        ran["draft"] += out is not None and out[2] is not None
+        return out
+
+    def verify_spy(*a):
+        out = real_verify(*a)
+        ran["verify"] += out is not None
+        return out
+
+    monkeypatch.setattr(Eagle3Head, "fused_draft", draft_spy)
+    monkeypatch.setattr(cpu_verify, "sampling_chain", verify_spy)
     n, counts = 1500, {}
     for i in range(n):
         out = gen.generate(prompt_ids=PROMPT, max_new_tokens=STEPS, temperature=1.0, seed=7000 + i, stop_at_eos=False)
         counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
     assert calls and max(calls) > 1  # verifications of chains ran on the kernel
+    assert ran["draft"] > n // 2 and ran["verify"] > n  # sampled C drafts, C verifications
     p_value, _ = goodness_of_fit(exact, counts, n)
     assert p_value > 1e-3
     # the check can fail: a distribution that is not the target's (its tokens shifted by one) is rejected

@@ -10,7 +10,8 @@ run at the next ``propose`` (so nothing is computed for a sequence that ends). T
 then appends draft entries (positions by depth, an ancestor mask) and crops the cache back to
 the committed length before returning. Where the head has ``fused_draft`` (EAGLE-3 on the AVX-512
 BF16 kernels, at most ``cpu_layers.MAX_TOKENS`` queued pairs) the queue runs in one C call, with a
-greedy chain's drafting in the same call: the same drafts, without ~0.3-0.4 ms of Python per step.
+chain's drafting in the same call (greedy, or sampled with a plain temperature): the same drafts,
+without ~0.3-0.4 ms of Python per step.
 
 Chains (a node budget equal to the depth): the argmax (greedy) or one draw from ``q`` (sampling)
 at every depth, no tree search.
@@ -105,9 +106,15 @@ class EagleDrafter(Drafter):
         # kept trees are ancestor-closed, so no kept node is deeper than the node budget
         depth = min(self.depth, ctx.max_depth, budget)
         chain = depth >= 1 and budget == depth and self._static
-        drafts = self._run_queue(depth if chain and ctx.sampling.greedy else 0)
-        if drafts is not None:  # a greedy chain drafted with the queued pairs, in one call
-            return Draft.chain(root.view(1).to(drafts.device), drafts.view(1, depth), None)
+        sp = ctx.sampling
+        # the C chain samples with a temperature only (no top-k / top-p processing of q)
+        plain_q = sp.greedy or ((sp.top_k is None or sp.top_k >= self.head.draft_vocab_size)
+                                and (sp.top_p is None or sp.top_p >= 1.0))
+        drafted = self._run_queue(depth if chain and plain_q else 0, ctx)
+        if drafted is not None:  # a chain drafted with the queued pairs, in one call
+            drafts, q = drafted
+            q_all = None if q is None else self._target_vocab(q).unsqueeze(0)
+            return Draft.chain(root.view(1).to(drafts.device), drafts.view(1, depth), q_all)
         if depth < 1 or budget < 1 or self._root_hidden is None:
             return Draft.root_only(root)
         base = self.cache.length
@@ -133,19 +140,21 @@ class EagleDrafter(Drafter):
         self._queue_ids.append(next_ids.to(self.head.device))
 
     @torch.inference_mode()
-    def _run_queue(self, chain: int = 0) -> torch.Tensor | None:
+    def _run_queue(self, chain: int = 0, ctx: DraftContext | None = None) -> tuple | None:
         """Run the queued pairs (the new root's head output becomes ``_root_hidden``). ``chain`` > 0:
-        also draft a greedy chain of that depth where the head does both in one call
-        (``fused_draft``): its target ids ``[chain]``; None otherwise (the caller drafts)."""
+        also draft a chain of that depth (greedy, or sampled with ``ctx``'s temperature) where the
+        head does both in one call (``fused_draft``): (target ids ``[chain]``, the draft distributions
+        ``[chain, Vd]`` or None); None otherwise (the caller drafts)."""
         ids = torch.cat(self._queue_ids, dim=1) if self._queue_ids else None
         features = torch.cat(self._queue_features, dim=1) if self._queue_ids else None
         fused = getattr(self.head, "fused_draft", None) if self._static else None
+        temperature = 0.0 if not chain or ctx.sampling.greedy else ctx.sampling.temperature
         done = None if fused is None or (ids is None and not chain) else \
-            fused(ids, features, self._root_hidden, chain, self.cache)
+            fused(ids, features, self._root_hidden, chain, self.cache, temperature, None if ctx is None else ctx.generator)
         self._queue_ids, self._queue_features = [], []
         if done is not None:
-            drafts, self._root_hidden = done
-            return drafts if chain else None
+            drafts, self._root_hidden, q = done
+            return (drafts, q) if chain else None
         if ids is None:
             return None
         hidden = self.head.fuse_features(features)

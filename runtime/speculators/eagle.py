@@ -556,15 +556,20 @@ class Eagle3Head(_EagleBase):
 
     @torch.inference_mode()
     def fused_draft(self, input_ids: torch.Tensor | None, features: torch.Tensor | None, hidden: torch.Tensor | None,
-                    depth: int, cache: StaticKVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
+                    depth: int, cache: StaticKVCache, temperature: float = 0.0,
+                    generator: torch.Generator | None = None) -> tuple | None:
         """The drafter's queued committed pairs (next ``input_ids`` ``[1, n]``, raw target ``features``
-        ``[1, n, F, H]``; None when nothing is queued) run on ``cache`` and committed, then a greedy chain of
+        ``[1, n, F, H]``; None when nothing is queued) run on ``cache`` and committed, then a chain of
         ``depth`` drafts from the last output (or from ``hidden`` ``[1, H]``), in one C call
         (:func:`.cpu_layers.eagle3_draft`): what :meth:`fuse_features`, :meth:`step` and
-        :meth:`compute_logits` with an argmax per depth compute, the same bits, without ~1 ms of
-        Python per drafting step. Returns (target ids ``[depth]``, the new root hidden ``[1, H]``),
-        or None where it does not run (not the AVX-512 BF16 kernels, another dtype, more than
-        ``cpu_layers.MAX_TOKENS`` queued pairs): the caller takes the step-by-step path."""
+        :meth:`compute_logits` compute, the same bits, without ~1 ms of Python per drafting step.
+        Greedy (``temperature`` 0): the argmax per depth. Sampling: each draft drawn from
+        ``softmax(logits / temperature)`` by one fp64 uniform from ``generator`` per depth (as
+        :func:`~..sampling.sample` draws). Returns (target ids ``[depth]``, the new root hidden
+        ``[1, H]``, the draft distributions ``[depth, Vd]`` or None when greedy), or None where it does
+        not run (not the AVX-512 BF16 kernels, another dtype, more than ``cpu_layers.MAX_TOKENS``
+        queued pairs, non-finite scaled logits): the caller takes the step-by-step path, with the
+        cache and the generator as they were."""
         n = 0 if input_ids is None else input_ids.shape[1]
         run = self.__dict__.get("_linears")
         if run is None or tuple(run.kernels[:2]) != ("avx512bf16", "avx512bf16") or n > cpu_layers.MAX_TOKENS \
@@ -582,14 +587,26 @@ class Eagle3Head(_EagleBase):
         cos, sin = self._rope.span(past, steps, w["onw"])
         a = self.architecture
         H = a["hidden_size"]
-        tokens, h = cpu_layers.eagle3_draft(
+        uniforms = state = None
+        if temperature > 0 and depth:
+            state = generator.get_state() if generator is not None else torch.random.get_rng_state()
+            uniforms = torch.rand(depth, generator=generator, dtype=torch.float64)
+        out = cpu_layers.eagle3_draft(
             table, w, features.reshape(n, -1, H) if n else None, input_ids if n else None, hidden, depth, cache.kv,
             past, cos, sin, heads=(a["num_attention_heads"], a["num_key_value_heads"]),
-            intermediate=a["intermediate_size"], eps=w["eps"], scale=self.layer.self_attn.scaling)
+            intermediate=a["intermediate_size"], eps=w["eps"], scale=self.layer.self_attn.scaling,
+            temperature=temperature if depth else 0.0, uniforms=uniforms)
+        if out is None:  # a draft row was not finite: nothing is kept, the uniforms go back
+            if generator is not None:
+                generator.set_state(state)
+            else:
+                torch.random.set_rng_state(state)
+            return None
+        tokens, h, q = out
         if n:
             cache.mark_appended(n)
             cache.commit()
-        return tokens, h.view(1, H)
+        return tokens, h.view(1, H), q
 
     def _draft_weights(self, run: PreparedLinears) -> dict | None:
         """:meth:`fused_draft`'s weights (see :func:`.cpu_layers.eagle3_draft`), kept while they are

@@ -1,0 +1,203 @@
+"""Speculative sampling's verification of one sequence's chain in one C call (AVX-512).
+
+Scope: :func:`~.verify.verify_sampling_chain` for batch 1 with temperature-only sampling (no top-k,
+no top-p), on the target's raw bf16 or fp32 logits ``[N, V]`` over a full vocabulary: the target's
+probability of each draft token (rows up to the first rejection only), the acceptance test
+``u * q(x) < p(x)``, and the one draw of the next token from ``p`` or from the residual
+``max(p - q, 0)``. Plain sampled decoding is the same call with no drafts.
+
+Why: the PyTorch path runs ~25 ops over 49k-entry rows per step (softmax of every row, gathers,
+the residual, a float64 cumulative sum, a search), ~0.8 ms at one thread on a 2-core AMD EPYC, 7%
+of a speculative step of SmolLM2-135M at T=1 (docs/results.md, twenty-fourth session); here it is
+two passes over each needed row.
+
+Exactness: the rule is the same rejection sampling, with the same random numbers drawn from the
+caller's generator in the same order (the acceptance uniforms in fp32, then one fp64 uniform for the
+draw), so the emitted tokens are distributed exactly as the target's own sampling. ``p`` is computed
+in fp32 like :func:`~.sampling.probs_from_logits` (the scaled logits minus their maximum,
+exponentiated, divided by their sum) but with its own exponential and summation order, so a value
+can differ from PyTorch's in its last bits: a token drawn within such a distance of a boundary can
+differ from the PyTorch verifier's for the same seed (never the distribution). A needed row whose
+scaled logits are not all finite (NaN, or a temperature so small they overflow) is left to the
+PyTorch path, which handles it, with the generator's state put back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from . import cpu_attention
+from .native import AVX512_BF16, build
+
+__all__ = ["available", "sampling_chain"]
+
+_SOURCE = r"""
+static inline __m512 ldlog(const void *lg, int bf16, int64_t i, __mmask16 m) {
+    if (bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+        _mm256_maskz_loadu_epi16(m, (const uint16_t *)lg + i)), 16));
+    return _mm512_maskz_loadu_ps(m, (const float *)lg + i);
+}
+static inline __mmask16 tailmask(int64_t V, int64_t i) { return V - i >= 16 ? 0xffff : (__mmask16)((1u << (V - i)) - 1); }
+
+/* row statistics of the scaled logits l / T: their maximum and the sum of exp(l / T - max); 1 when
+   they are not all finite (left to the caller's PyTorch path) */
+static int stats(const void *lg, int bf16, int64_t V, float T, float *mx, float *sum) {
+    __m512 m = _mm512_set1_ps(-INFINITY), tv = _mm512_set1_ps(T);
+    __mmask16 bad = 0;
+    for (int64_t i = 0; i < V; i += 16) {
+        __mmask16 k = tailmask(V, i);
+        __m512 v = _mm512_div_ps(ldlog(lg, bf16, i, k), tv);
+        bad |= _mm512_mask_cmp_ps_mask(k, v, v, _CMP_UNORD_Q) | _mm512_mask_cmp_ps_mask(k, _mm512_abs_ps(v), _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
+        m = _mm512_mask_max_ps(m, k, m, v);
+    }
+    if (bad) return 1;
+    *mx = _mm512_reduce_max_ps(m);
+    __m512 s = _mm512_setzero_ps(), mv = _mm512_set1_ps(*mx);
+    for (int64_t i = 0; i < V; i += 16) {
+        __mmask16 k = tailmask(V, i);
+        s = _mm512_add_ps(s, _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_div_ps(ldlog(lg, bf16, i, k), tv), mv))));
+    }
+    *sum = _mm512_reduce_add_ps(s);
+    return 0;
+}
+
+static inline float prob(const void *lg, int bf16, int64_t x, float T, float mx, float sum) {
+    __m512 v = _mm512_div_ps(ldlog(lg, bf16, x, 1), _mm512_set1_ps(T));
+    return _mm512_cvtss_f32(exp512(_mm512_sub_ps(v, _mm512_set1_ps(mx)))) / sum;
+}
+
+/* out = exp(l / T - mx) / sum over the row (fp32 probabilities, from stats()) */
+static void probs_row(const void *lg, int bf16, int64_t V, float T, float mx, float sum, float *out) {
+    __m512 tv = _mm512_set1_ps(T), mv = _mm512_set1_ps(mx), inv = _mm512_set1_ps(1.0f / sum);
+    for (int64_t i = 0; i < V; i += 16) {
+        __mmask16 m = tailmask(V, i);
+        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(exp512(_mm512_sub_ps(_mm512_div_ps(ldlog(lg, bf16, i, m), tv), mv)), inv));
+    }
+}
+
+static inline double block_sum(const float *w, int64_t V, int64_t i) {
+    __m512 p = _mm512_maskz_loadu_ps(tailmask(V, i), w + i);
+    __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(p));
+    __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)));
+    return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+}
+
+/* one draw from non-negative weights w [V] (any positive total) by the uniform u in [0, 1): the first
+   index whose running fp64 sum exceeds u * total, as sampling.sample does (16-entry block sums, in the
+   order the total was made; the picked entry is always positive) */
+static int64_t draw(const float *w, int64_t V, double u) {
+    double total = 0, run = 0;
+    for (int64_t i = 0; i < V; i += 16) total += block_sum(w, V, i);
+    double target = u * total;
+    int64_t pick = -1;
+    for (int64_t i = 0; i < V && pick < 0; i += 16) {
+        double b = block_sum(w, V, i);
+        if (run + b > target) {
+            int64_t end = V - i < 16 ? V - i : 16;
+            double c = run;
+            for (int64_t t = 0; t < end; t++) {
+                if (!(w[i + t] > 0)) continue;
+                pick = i + t;  /* (the block's last positive entry if rounding keeps c below target) */
+                c += w[i + t];
+                if (c > target) break;
+            }
+        }
+        run += b;
+    }
+    if (pick < 0) for (pick = V - 1; pick > 0 && !(w[pick] > 0); pick--) {}  /* rounding past the end */
+    return pick;
+}
+
+/* Verify a chain of k drafts x[0..k-1] (node i + 1 = x[i]) against logits rows 0..k (row i: the
+   target after node i, V entries, bf16 or fp32, row stride V); q: [k][V] the distributions the
+   drafts were drawn from (row i for x[i]; NULL: deterministic drafts, q(x) = 1 and a zero residual
+   elsewhere); u: k fp32 acceptance uniforms; uf: the fp64 uniform of the final draw. Writes the
+   accepted count and the next token; work: 2V floats. 0, or 1 when a needed row is not finite. */
+int sf_verify_sampling_chain(const void *logits, int bf16, int64_t V, int k, float T, const int64_t *x,
+                             const float *q, const float *u, double uf, float *work, int64_t *accepted,
+                             int64_t *next) {
+    size_t es = bf16 ? 2 : 4;
+    float mx = 0, sum = 1;
+    int j = 0;
+    for (; j <= k; j++) {
+        const void *row = (const char *)logits + (size_t)j * V * es;
+        if (stats(row, bf16, V, T, &mx, &sum)) return 1;
+        if (j == k) break;
+        float px = prob(row, bf16, x[j], T, mx, sum), qx = q ? q[(int64_t)j * V + x[j]] : 1.0f;
+        if (!(u[j] * qx < px)) break;  /* rejected: draw from the residual of row j */
+    }
+    probs_row((const char *)logits + (size_t)j * V * es, bf16, V, T, mx, sum, work);
+    if (j < k) {  /* the residual max(p - q, 0), unless it is empty (p <= q everywhere): then p */
+        __mmask16 any = 0;
+        float *r = work + V;
+        for (int64_t i = 0; i < V; i += 16) {
+            __mmask16 m = tailmask(V, i);
+            __m512 d = _mm512_maskz_loadu_ps(m, work + i);
+            if (q) d = _mm512_sub_ps(d, _mm512_maskz_loadu_ps(m, q + (int64_t)j * V + i));
+            d = _mm512_max_ps(d, _mm512_setzero_ps());
+            _mm512_mask_storeu_ps(r + i, m, d);
+            any |= _mm512_mask_cmp_ps_mask(m, d, _mm512_setzero_ps(), _CMP_GT_OQ);
+        }
+        if (!q) {  /* a deterministic draft: q is one at x */
+            r[x[j]] = 0.0f;
+            any = 0;
+            for (int64_t i = 0; i < V && !any; i += 16)
+                any = _mm512_mask_cmp_ps_mask(tailmask(V, i), _mm512_maskz_loadu_ps(tailmask(V, i), r + i), _mm512_setzero_ps(), _CMP_GT_OQ);
+        }
+        if (any) work = r;
+    }
+    *accepted = j;
+    *next = draw(work, V, uf);
+    return 0;
+}
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    # exp512 (and the headers) come with the attention kernels' source
+    built = build("sfverify", cpu_attention._SOURCE_DECODE + _SOURCE,
+                  {"sf_verify_sampling_chain": [p, i32, i64, i32, ctypes.c_float, p, p, p, ctypes.c_double, p, p, p]},
+                  isa=AVX512_BF16)
+    return cpu_attention._returning_int(built, "sf_verify_sampling_chain")
+
+
+def available() -> bool:
+    return _load()[0] is not None
+
+
+def sampling_chain(tokens: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, temperature: float,
+                   generator: torch.Generator | None) -> tuple[int, int] | None:
+    """Rejection sampling along a chain of one sequence: ``tokens`` ``[N]`` (root first), ``q``
+    ``[N, V]`` fp32 (row ``i`` the distribution node ``i`` was drawn from; None: deterministic drafts),
+    raw target ``logits`` ``[N, V]`` (bf16 or fp32, CPU). Draws the acceptance uniforms and then
+    the final one from ``generator`` as :func:`~.verify.verify_sampling_chain` does. Returns
+    (accepted drafts, next token), or None where this does not apply (the generator then as it was)."""
+    lib = _load()[0]
+    N, V = logits.shape
+    if lib is None or logits.device.type != "cpu" or logits.dtype not in (torch.bfloat16, torch.float32) \
+            or (q is not None and (q.dtype != torch.float32 or q.shape != (N, V))) or not temperature > 0:
+        return None
+    logits = logits.contiguous()
+    k = N - 1
+    x = tokens[1:].to(torch.long).contiguous()
+    qd = None if q is None else q[1:].contiguous()
+    state = generator.get_state() if generator is not None else torch.random.get_rng_state()
+    u = torch.rand(k, 1, generator=generator, dtype=torch.float32).view(k) if k else torch.empty(0)
+    uf = float(torch.rand(1, 1, generator=generator, dtype=torch.float64))
+    work = torch.empty(2 * V, dtype=torch.float32)
+    acc, nxt = ctypes.c_int64(), ctypes.c_int64()
+    status = lib.sf_verify_sampling_chain(logits.data_ptr(), int(logits.dtype == torch.bfloat16), V, k,
+                                          float(temperature), x.data_ptr(), None if qd is None else qd.data_ptr(),
+                                          u.data_ptr(), uf, work.data_ptr(), ctypes.byref(acc), ctypes.byref(nxt))
+    if status:  # a needed row is not finite: give the random numbers back, PyTorch's path handles it
+        if generator is not None:
+            generator.set_state(state)
+        else:
+            torch.random.set_rng_state(state)
+        return None
+    return acc.value, nxt.value
