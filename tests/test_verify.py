@@ -383,3 +383,29 @@ def test_vectorised_tree_bookkeeping_matches_a_node_loop():
                 depths[b][i] = int(anc[b, i].sum()) - 1
         assert torch.equal(tree_depths(parents), torch.tensor(depths))
         assert torch.equal(ancestor_matrix(parents), anc)
+        for b in range(3):  # one sequence: the list-walking path
+            assert torch.equal(tree_depths(parents[b: b + 1]), torch.tensor(depths[b: b + 1]))
+            assert torch.equal(ancestor_matrix(parents[b: b + 1]), anc[b: b + 1])
+
+
+def test_one_sequence_greedy_walk_equals_the_vectorised_verifier():
+    """verify() walks one sequence's greedy tree over lists: the vectorised tree verifier's accepted
+    length, path (padded to the tree's depth) and next token, ties included, chains and trees alike."""
+    from specfoundry.runtime.verify import _greedy_one
+
+    g = gen(7)
+    deep = 0
+    for trial in range(300):
+        n = int(torch.randint(1, 12, (1,), generator=g))
+        chain = trial % 3 == 0
+        parents = torch.tensor([[-1] + [i - 1 if chain else int(torch.randint(0, i, (1,), generator=g))
+                                        for i in range(1, n)]])
+        logits = torch.randn(1, n, 3, generator=g).to(torch.bfloat16)  # 3 tokens: many matches and ties
+        tokens = torch.randint(0, 3, (1, n), generator=g)
+        d = Draft(tokens, parents, None)
+        want = verify_greedy_tree(d, logits)
+        got = _greedy_one(d, logits)
+        same(got, want)
+        assert torch.equal(verify(d, logits, SamplingParams(0.0)).path, want.path)
+        deep = max(deep, int(want.accept_len))
+    assert deep >= 3
