@@ -32,7 +32,7 @@ import torch
 from . import cpu_attention, cpu_gemv, cpu_verify
 from .native import AVX512_BF16, build
 
-__all__ = ["MAX_TOKENS", "argmax", "available", "eagle3_draft", "layer_table", "rms_norm", "run_layers", "supports", "unavailable_reason"]
+__all__ = ["MAX_TOKENS", "argmax", "available", "eagle3_draft", "layer_table", "log_softmax", "rms_norm", "run_layers", "supports", "unavailable_reason"]
 
 #: most new tokens per call: the few-row product's one pass (more go to the many-row kernel)
 MAX_TOKENS = cpu_gemv.MAX_ROWS
@@ -162,6 +162,124 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
     return 0;
 }
 
+/* log-probabilities of one bf16 row (fp32: x - max - log(sum exp(x - max))) */
+static void log_softmax_row(const uint16_t *lg, int64_t V, float *out) {
+    __m512 m = _mm512_set1_ps(-INFINITY), s = _mm512_setzero_ps();
+    for (int64_t i = 0; i < V; i += 16) m = _mm512_mask_max_ps(m, tailmask(V, i), m, ldlog(lg, 1, i, tailmask(V, i)));
+    __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    for (int64_t i = 0; i < V; i += 16)
+        s = _mm512_add_ps(s, _mm512_maskz_mov_ps(tailmask(V, i), exp512(_mm512_sub_ps(ldlog(lg, 1, i, tailmask(V, i)), mv))));
+    __m512 ls = _mm512_set1_ps(logf(_mm512_reduce_add_ps(s)));
+    for (int64_t i = 0; i < V; i += 16)
+        _mm512_mask_storeu_ps(out + i, tailmask(V, i), _mm512_sub_ps(_mm512_sub_ps(ldlog(lg, 1, i, tailmask(V, i)), mv), ls));
+}
+
+/* the drafting trees' log-probabilities for Python callers: n bf16 rows [n][V] -> fp32 */
+void sf_log_softmax_bf16(const uint16_t *x, int64_t n, int64_t V, float *out) {
+    for (int64_t r = 0; r < n; r++) log_softmax_row(x + r * V, V, out + r * V);
+}
+
+/* the k largest of x [V] in descending order, equal values by lowest index (k <= V) */
+static void topk_row(const float *x, int64_t V, int k, int64_t *idx, float *val) {
+    int cnt = 0;
+    for (int64_t i = 0; i < V; i++) {
+        float v = x[i];
+        if (cnt == k && !(v > val[k - 1])) continue;
+        int pos = cnt < k ? cnt : k - 1;
+        while (pos > 0 && v > val[pos - 1]) { val[pos] = val[pos - 1]; idx[pos] = idx[pos - 1]; pos--; }
+        val[pos] = v; idx[pos] = i;
+        if (cnt < k) cnt++;
+    }
+}
+
+static void sort_idx(int64_t *a, int n) {  /* ascending, n small */
+    for (int i = 1; i < n; i++) { int64_t v = a[i]; int j = i; while (j > 0 && a[j - 1] > v) { a[j] = a[j - 1]; j--; } a[j] = v; }
+}
+
+/* EAGLE-2's greedy tree from the root's head output h (runtime/drafters/eagle.py _grow_greedy, the
+   same steps): per depth the frontier's log-probabilities and each node's k best children, then the
+   k best new nodes by cumulative score expanded by one layer step (each sees its ancestors among the
+   drafts), finally the budget best nodes (ties: lowest index) in creation order. Writes tokens (target
+   ids) and parents (0 = root, else the kept node number from 1) of the kept nodes, returns how many,
+   or -1 (a failed allocation). Draft K/V are written at past.. on (left uncommitted). */
+static int eagle3_tree(int depth, int k, int budget, const uint16_t *h, const int64_t *wp, const uint16_t *inw,
+                       const uint16_t *hnw, const uint16_t *onw, const uint16_t *lmw, int Vd, const int64_t *d2t,
+                       const uint16_t *emb, int H, int hq, int hkv, int D, int I, float eps, float scale, uint16_t *kv,
+                       int64_t s_kv, int64_t s_head, int past, const uint16_t *cs, const uint16_t *sn, int64_t *tokens,
+                       int64_t *parents, uint16_t *wb, float *wf, uint16_t *lb, int keep) {
+    int M = k + (depth - 1) * k * k, Smax = (depth - 1) * k + 1;
+    uint16_t *fh = lb, *xs = fh + (int64_t)k * H, *xin = xs + (int64_t)k * H, *hn = xin + (int64_t)k * 2 * H;
+    uint16_t *lgt = hn + (int64_t)k * H, *csb = lgt + (int64_t)k * Vd, *snb = csb + (int64_t)k * D;
+    float *lp = (float *)malloc(sizeof(float) * ((size_t)Vd + 2 * M)), *score = lp + Vd, *tv = score + M;  /* tv: up to M */
+    int64_t *ctok = (int64_t *)malloc(sizeof(int64_t) * ((size_t)3 * M + 4 * k)), *cpar = ctok + M, *sel = cpar + M;
+    int64_t *fidx = sel + M, *ti = fidx + k;
+    uint8_t *frows = (uint8_t *)calloc((size_t)2 * k * Smax + (size_t)k * (Smax + k), 1), *nrows = frows + (size_t)k * Smax;
+    uint8_t *blk = nrows + (size_t)k * Smax;
+    int nkeep = -1;
+    if (!lp || !ctok || !frows) goto done;
+    float fscore[64];
+    int m = 1, S = 0, nc = 0;
+    int64_t nn = 1;
+    for (int i = 0; i < H; i++) fh[i] = h[i];
+    fidx[0] = 0; fscore[0] = 0.0f;
+    for (int d = 1; d <= depth; d++) {
+        norm_rows(fh, onw, hn, m, H, eps);
+        sf_gemv_dpbf16(hn, lmw, 0, lgt, m, H, Vd, keep);
+        int first = nc;
+        for (int r = 0; r < m; r++) {
+            log_softmax_row(lgt + (int64_t)r * Vd, Vd, lp);
+            topk_row(lp, Vd, k, ti, tv);
+            for (int j = 0; j < k; j++) {
+                ctok[nc] = d2t ? d2t[ti[j]] : ti[j];
+                cpar[nc] = fidx[r];
+                score[nc] = fscore[r] + tv[j];
+                nc++;
+            }
+        }
+        int64_t first_id = nn;
+        nn += (int64_t)m * k;
+        if (d == depth) break;
+        int ne = k < m * k ? k : m * k;
+        topk_row(score + first, (int64_t)m * k, ne, sel, tv);
+        sort_idx(sel, ne);
+        /* one layer step of the ne chosen nodes: (their parent's output, their token) at position d - 1 */
+        for (int e = 0; e < ne; e++) {
+            int r = (int)(sel[e] / k);
+            for (int i = 0; i < H; i++) xs[(int64_t)e * H + i] = fh[(int64_t)r * H + i];
+            norm_rows(emb + ctok[first + sel[e]] * H, inw, xin + (int64_t)e * 2 * H, 1, H, eps);
+            norm_rows(fh + (int64_t)r * H, hnw, xin + (int64_t)e * 2 * H + H, 1, H, eps);
+            for (int i = 0; i < D; i++) { csb[(int64_t)e * D + i] = cs[(int64_t)(d - 1) * D + i]; snb[(int64_t)e * D + i] = sn[(int64_t)(d - 1) * D + i]; }
+            for (int c = 0; c < S; c++) nrows[(size_t)e * Smax + c] = frows[(size_t)r * Smax + c];
+            for (int c = 0; c < ne; c++) nrows[(size_t)e * Smax + S + c] = c == e;
+        }
+        int W = S + ne;
+        for (int e = 0; e < ne; e++) for (int c = 0; c < W; c++) blk[(size_t)e * W + c] = nrows[(size_t)e * Smax + c];
+        if (sf_layers(ne, 1, H, hq, hkv, D, I, eps, scale, wp, xin, 2 * H, xs, csb, snb, kv, 0, s_kv, s_head, past + S,
+                      ne == 1 && S == 0 ? 0 : blk, 0, 0, 0, wb, wf, S ? W : 0, keep))
+            goto done;
+        for (int e = 0; e < ne; e++) {
+            for (int i = 0; i < H; i++) fh[(int64_t)e * H + i] = xs[(int64_t)e * H + i];
+            for (int c = 0; c < W; c++) frows[(size_t)e * Smax + c] = nrows[(size_t)e * Smax + c];
+            fidx[e] = first_id + sel[e];
+            fscore[e] = score[first + sel[e]];
+        }
+        S = W;
+        m = ne;
+    }
+    nkeep = budget < nc ? budget : nc;
+    topk_row(score, nc, nkeep, sel, tv);
+    sort_idx(sel, nkeep);
+    for (int i = 0; i < nkeep; i++) {  /* node numbers: candidate c is node c + 1; kept ones renumbered */
+        tokens[i] = ctok[sel[i]];
+        int64_t p = cpar[sel[i]], np = 0;
+        for (int j = 0; j < i && p; j++) if (sel[j] + 1 == p) { np = j + 1; break; }
+        parents[i] = np;
+    }
+done:
+    free(lp); free(ctok); free(frows);
+    return nkeep;
+}
+
 /* An EAGLE-3 head's drafting for one sequence (eagle3_draft below): first the n queued committed
    pairs (n may be 0): their raw target features [n][F][H] normed per feature layer (weights fnw
    [F][H]) and fused by fc (fcw [H][F*H]), then the decoder layer (table row wp; attention input
@@ -175,13 +293,16 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
    weights' reads without the non-temporal hint (a head's, read every step: they stay in L3).
    temp > 0: each draft is drawn (cpu_verify's draw, by the fp64 uniform uq[d]) from the draft
    distribution softmax(logits / temp), written to qout [depth][Vd] for the verifier; 2 when a
-   row's scaled logits are not finite (nothing committed: the caller takes its PyTorch path). */
+   row's scaled logits are not finite (nothing committed: the caller takes its PyTorch path).
+   tk > 0: instead of a chain, EAGLE-2's greedy tree (eagle3_tree: top-k tk, at most budget nodes),
+   its kept nodes' tokens and parents written, their count to nout. */
 int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, const uint16_t *fnw,
                     const uint16_t *fcw, int depth, const int64_t *wp, const uint16_t *inw, const uint16_t *hnw,
                     const uint16_t *onw, const uint16_t *lmw, int Vd, const int64_t *d2t, const uint16_t *emb,
                     int H, int hq, int hkv, int D, int I, float eps, float scale, uint16_t *kv, int64_t s_kv,
                     int64_t s_head, int past, const uint16_t *cs, const uint16_t *sn, uint16_t *h, int64_t *tokens,
-                    uint16_t *wb, float *wf, uint16_t *lb, int keep, float temp, const double *uq, float *qout) {
+                    uint16_t *wb, float *wf, uint16_t *lb, int keep, float temp, const double *uq, float *qout,
+                    int tk, int budget, int64_t *parents, int *nout) {
     int rows = n > 0 ? n : 1;
     uint16_t *nfeat = lb, *x = nfeat + (int64_t)n * F * H, *xin = x + (int64_t)n * H;
     uint16_t *hn = xin + (int64_t)rows * 2 * H, *logits = hn + H;
@@ -197,6 +318,11 @@ int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, co
             return 1;
         for (int i = 0; i < H; i++) h[i] = x[(int64_t)(n - 1) * H + i];
         past += n; cs += (int64_t)n * D; sn += (int64_t)n * D;
+    }
+    if (tk > 0 && depth > 0) {  /* a greedy tree (the queue's work buffers are reused) */
+        *nout = eagle3_tree(depth, tk, budget, h, wp, inw, hnw, onw, lmw, Vd, d2t, emb, H, hq, hkv, D, I, eps, scale,
+                            kv, s_kv, s_head, past, cs, sn, tokens, parents, wb, wf, lb, keep);
+        return *nout < 0;
     }
     for (int d = 0; d < depth; d++) {
         norm_rows(h, onw, hn, 1, H, eps);
@@ -230,9 +356,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     source = cpu_gemv._SOURCE_BF16 + cpu_attention._SOURCE_DECODE + cpu_verify._SOURCE + _LAYER
     args = [i32] * 7 + [f32, f32, p, p, i32, p, p, p, p, i64, i64, i64, i32, p, p, i32, p, p, p, i32, i32]
     draft = [i32, p, p, i32, p, p, i32, p, p, p, p, p, i32, p, p] + [i32] * 5 + [f32, f32, p, i64, i64, i32] + [p] * 7 \
-        + [i32, f32, p, p]
+        + [i32, f32, p, p, i32, i32, p, p]
     fns = {"sf_layers": args, "sf_rms_norm": [p, p, p, i64, i32, f32, i32], "sf_argmax_bf16": [p, i64, i64, p],
-           "sf_eagle3_draft": draft}
+           "sf_eagle3_draft": draft, "sf_log_softmax_bf16": [p, i64, i64, p]}
     return cpu_attention._returning_int(build("sflayers", source, fns, isa=AVX512_BF16), "sf_layers", "sf_eagle3_draft")
 
 
@@ -281,6 +407,21 @@ def argmax(x: torch.Tensor) -> torch.Tensor | None:
     x = x.contiguous()
     out = torch.empty(x.shape[:-1], dtype=torch.long)
     lib.sf_argmax_bf16(x.data_ptr(), out.numel(), x.shape[-1], out.data_ptr())
+    return out
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor | None:
+    """``torch.log_softmax(x.float(), -1)`` of bf16 rows in C (the drafting tree's own: :func:`eagle3_draft`
+    ranks with these values, so the step-by-step tree search uses them too), or None where it does
+    not apply (another dtype, no kernel)."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] == 0:
+        return None
+    lib = _load()[0]
+    if lib is None:
+        return None
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    lib.sf_log_softmax_bf16(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], out.data_ptr())
     return out
 
 
@@ -348,8 +489,8 @@ def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
 def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, ids: torch.Tensor | None,
                  hidden: torch.Tensor | None, depth: int, layer_kv: torch.Tensor, past: int, cos: torch.Tensor,
                  sin: torch.Tensor, *, heads: tuple[int, int], intermediate: int, eps: float, scale: float,
-                 keep: bool = True, temperature: float = 0.0, uniforms: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+                 keep: bool = True, temperature: float = 0.0, uniforms: torch.Tensor | None = None,
+                 top_k: int = 0, budget: int = 0) -> tuple | None:
     """An EAGLE-3 head's drafting step for one sequence in one C call: the queued committed pairs
     (raw target ``features`` ``[n, F, H]`` and next ``ids`` ``[n]``, or None) through the feature
     norms, ``fc`` and the head's layer (their K/V written at ``past``), then a greedy chain of
@@ -360,9 +501,12 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
     The drafts' K/V are written after the queued pairs' and left uncommitted. ``keep``: as in
     :func:`run_layers` (default: a head's weights are read every step). ``temperature`` > 0: each
     draft is drawn from ``softmax(logits / temperature)`` over the draft vocabulary by one of the
-    fp64 ``uniforms`` ``[depth]``. Returns (target ids ``[depth]``, the new root hidden ``[H]``, the
-    draft distributions ``[depth, Vd]`` fp32 or None when greedy), or None when sampling met a row
-    of non-finite scaled logits."""
+    fp64 ``uniforms`` ``[depth]``. ``top_k`` > 0: EAGLE-2's greedy tree instead of a chain (the
+    drafter's ``_grow_greedy``, the same steps and numbers), at most ``budget`` nodes; its step entries
+    (up to ``(depth - 1) * top_k``) are written after the queued pairs'. Returns (target ids, the new
+    root hidden ``[H]``, the draft distributions ``[depth, Vd]`` fp32 when sampled else None, the tree's
+    parents ``[nodes]`` (0 = root, else the kept node's number from 1) else None), or None when sampling
+    met a row of non-finite scaled logits."""
     lib = _load()[0]
     if lib is None:
         raise RuntimeError(f"the layer kernel is unavailable: {unavailable_reason()}")
@@ -373,18 +517,24 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
     Vd = w["lmw"].shape[0]
     if n > MAX_TOKENS or (n == 0 and hidden is None) or (n and tuple(features.shape) != (n, F, H)):
         raise ValueError(f"eagle3_draft takes 1-{MAX_TOKENS} queued pairs with [n, {F}, {H}] features, or a hidden state")
-    steps = n + max(depth - 1, 0)  # entries written: the queued pairs, every draft but the last
-    if past + steps > layer_kv.shape[-2]:
-        raise ValueError(f"{past} + {steps} entries exceed the cache's {layer_kv.shape[-2]}")
+    steps = n + max(depth - 1, 0)  # positions: the queued pairs, every depth but the last
+    entries = n + max(depth - 1, 0) * max(top_k, 1)  # a tree writes up to top_k per step
+    if top_k > MAX_TOKENS or (top_k and budget < 1):
+        raise ValueError(f"a drafting tree takes top_k 1-{MAX_TOKENS} and a node budget, got {top_k}, {budget}")
+    if past + entries > layer_kv.shape[-2]:
+        raise ValueError(f"{past} + {entries} entries exceed the cache's {layer_kv.shape[-2]}")
     if cos.shape[0] != steps or sin.shape[0] != steps:
         raise ValueError(f"cos/sin need {steps} rows (positions {past}..), got {cos.shape[0]}, {sin.shape[0]}")
-    rows = max(n, 1)
+    rows = max(n, top_k, 1)
     h = torch.empty(H, dtype=torch.bfloat16) if hidden is None else hidden.reshape(H).contiguous().clone()
-    tokens = torch.empty(max(depth, 1), dtype=torch.long)
+    tokens = torch.empty(max(depth, budget, 1), dtype=torch.long)
+    parents = torch.empty(max(budget, 1), dtype=torch.long)
+    nout = ctypes.c_int(0)
     nqkv = (hq + 2 * hkv) * D
     wb = torch.empty(rows * (2 * H + nqkv + hq * D + H + 3 * intermediate), dtype=torch.bfloat16)
     wf = torch.empty(2 * rows * hq * D, dtype=torch.float32)
-    lb = torch.empty(n * F * H + n * H + rows * 2 * H + H + Vd, dtype=torch.bfloat16)
+    tree = top_k * (5 * H + Vd + 2 * D)  # frontier, residuals, inputs, norms, logits, RoPE rows
+    lb = torch.empty(max(n * F * H + n * H + rows * 2 * H + H + Vd, tree), dtype=torch.bfloat16)
     feats = features.contiguous() if n else None
     cos, sin = cos.contiguous(), sin.contiguous()
     qids = ids.reshape(n).to(torch.long).contiguous() if n else None
@@ -399,8 +549,11 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
         w["inw"].data_ptr(), w["hnw"].data_ptr(), w["onw"].data_ptr(), w["lmw"].data_ptr(), Vd, ptr(w["d2t"]),
         w["emb"].data_ptr(), H, hq, hkv, D, intermediate, float(eps), float(scale), layer_kv.data_ptr(),
         layer_kv.stride(1), layer_kv.stride(3), past, cos.data_ptr(), sin.data_ptr(), h.data_ptr(), tokens.data_ptr(),
-        wb.data_ptr(), wf.data_ptr(), lb.data_ptr(), int(keep), float(temperature), ptr(uq), ptr(qout))
+        wb.data_ptr(), wf.data_ptr(), lb.data_ptr(), int(keep), float(temperature), ptr(uq), ptr(qout), top_k,
+        budget, parents.data_ptr(), ctypes.byref(nout))
     if status == 2:
         return None
     cpu_attention.check(status)
-    return tokens[:depth], h, qout
+    if top_k:
+        return tokens[:nout.value], h, None, parents[:nout.value]
+    return tokens[:depth], h, qout, None

@@ -154,16 +154,19 @@ def _drafts_and_outputs(target, drafter, prompts, lookup: bool = False, temperat
     return proposed, outs
 
 
-@pytest.mark.parametrize("case", ["chain", "chain+lookup", "tree", "chain T=1"])
+@pytest.mark.parametrize("case", ["chain", "chain+lookup", "tree", "wide tree", "deep tree", "chain T=1", "tree T=1"])
 def test_fused_eagle3_drafting_equals_the_step_by_step_drafting(monkeypatch, case):
     """One C call per proposal (the queued pairs, and a greedy chain) drafts what fuse_features, step and
-    compute_logits do one by one, bit for bit (a sampled chain: the same draws, q within fp32 rounding);
-    more than MAX_TOKENS queued pairs (the prompt, a long accepted lookup) take the step-by-step path.
-    Trees run only the queue in it."""
+    compute_logits do one by one, bit for bit (a sampled chain: the same draws, q within fp32 rounding;
+    a greedy tree: the same EAGLE-2 search); more than MAX_TOKENS queued pairs (the prompt, a long
+    accepted lookup) take the step-by-step path. Sampled trees run only the queue in it."""
     from specfoundry.runtime.speculators.eagle import Eagle3Head
 
     target = _target(init_std=0.5)
-    drafter = _eagle3_chain(target, **({"tree": "dynamic", "top_k": 2, "total_tokens": 6} if case == "tree" else {}))
+    trees = {"tree": {"tree": "dynamic", "top_k": 2, "total_tokens": 6}, "tree T=1": {"tree": "dynamic", "top_k": 2, "total_tokens": 6},
+             "wide tree": {"tree": "dynamic", "top_k": 5, "total_tokens": 12, "depth": 4},
+             "deep tree": {"tree": "dynamic", "top_k": 8, "total_tokens": 40, "depth": 5}}
+    drafter = _eagle3_chain(target, **trees.get(case, {}))
     lookup, temperature = case == "chain+lookup", 1.0 if "T=1" in case else 0.0
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 96, (6,), generator=g).tolist() * 3 for _ in range(3)]

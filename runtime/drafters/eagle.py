@@ -39,6 +39,7 @@ import math
 
 import torch
 
+from .. import cpu_layers
 from ..adaptive import MAX_DRAFT_DEPTH, MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, check_int
 from ..sampling import probs_from_logits, sample
 from ..speculators import Eagle3Head, EagleHead, load_speculator, read_config
@@ -48,6 +49,8 @@ from ..tree import Draft
 from .base import DraftContext, Drafter, register_drafter
 
 __all__ = ["EagleDrafter", "Eagle3Drafter"]
+
+MAX_C_TOP_K = cpu_layers.MAX_TOKENS  # a greedy tree's top-k the head's one C call takes (its steps' rows)
 
 
 class EagleDrafter(Drafter):
@@ -110,9 +113,15 @@ class EagleDrafter(Drafter):
         # the C chain samples with a temperature only (no top-k / top-p processing of q)
         plain_q = sp.greedy or ((sp.top_k is None or sp.top_k >= self.head.draft_vocab_size)
                                 and (sp.top_p is None or sp.top_p >= 1.0))
-        drafted = self._run_queue(depth if chain and plain_q else 0, ctx)
-        if drafted is not None:  # a chain drafted with the queued pairs, in one call
-            drafts, q = drafted
+        # a greedy tree in the same call where its top-k fits the C step (budget >= 1 and depth >= 1)
+        tree = not chain and sp.greedy and self._static and 1 <= depth and 1 <= budget and self.top_k <= MAX_C_TOP_K
+        drafted = self._run_queue(depth if (chain and plain_q) or tree else 0, ctx, self.top_k if tree else 0,
+                                  budget if tree else 0)
+        if drafted is not None:  # drafted with the queued pairs, in one call
+            drafts, q, parents = drafted
+            if parents is not None:
+                return Draft(torch.cat([root.view(1).to(drafts.device), drafts]).view(1, -1),
+                             torch.cat([torch.full((1,), -1, dtype=torch.long), parents]).view(1, -1), None)
             q_all = None if q is None else self._target_vocab(q).unsqueeze(0)
             return Draft.chain(root.view(1).to(drafts.device), drafts.view(1, depth), q_all)
         if depth < 1 or budget < 1 or self._root_hidden is None:
@@ -140,21 +149,24 @@ class EagleDrafter(Drafter):
         self._queue_ids.append(next_ids.to(self.head.device))
 
     @torch.inference_mode()
-    def _run_queue(self, chain: int = 0, ctx: DraftContext | None = None) -> tuple | None:
+    def _run_queue(self, chain: int = 0, ctx: DraftContext | None = None, top_k: int = 0,
+                   budget: int = 0) -> tuple | None:
         """Run the queued pairs (the new root's head output becomes ``_root_hidden``). ``chain`` > 0:
-        also draft a chain of that depth (greedy, or sampled with ``ctx``'s temperature) where the
-        head does both in one call (``fused_draft``): (target ids ``[chain]``, the draft distributions
-        ``[chain, Vd]`` or None); None otherwise (the caller drafts)."""
+        also draft a chain of that depth (greedy, or sampled with ``ctx``'s temperature), or with
+        ``top_k`` > 0 a greedy tree of that depth and at most ``budget`` nodes, where the head does
+        both in one call (``fused_draft``): (target ids, the draft distributions ``[chain, Vd]`` or
+        None, the tree's parents (0 = root) or None); None otherwise (the caller drafts)."""
         ids = torch.cat(self._queue_ids, dim=1) if self._queue_ids else None
         features = torch.cat(self._queue_features, dim=1) if self._queue_ids else None
         fused = getattr(self.head, "fused_draft", None) if self._static else None
         temperature = 0.0 if not chain or ctx.sampling.greedy else ctx.sampling.temperature
         done = None if fused is None or (ids is None and not chain) else \
-            fused(ids, features, self._root_hidden, chain, self.cache, temperature, None if ctx is None else ctx.generator)
+            fused(ids, features, self._root_hidden, chain, self.cache, temperature,
+                  None if ctx is None else ctx.generator, top_k, budget)
         self._queue_ids, self._queue_features = [], []
         if done is not None:
-            drafts, self._root_hidden, q = done
-            return (drafts, q) if chain else None
+            drafts, self._root_hidden, q, parents = done
+            return (drafts, q, parents) if chain else None
         if ids is None:
             return None
         hidden = self.head.fuse_features(features)
@@ -239,10 +251,13 @@ class EagleDrafter(Drafter):
         front_score = torch.zeros(1, dtype=work, device=dev)
         front_rows = torch.zeros(1, 0, dtype=torch.bool, device=dev)
         for d in range(1, depth + 1):
-            logp = torch.log_softmax(head.compute_logits(front_h).to(work), dim=-1)
-            top = logp.topk(k, dim=-1)  # [m, k]
-            child_tok = top.indices if d2t is None else d2t[top.indices]
-            child_score = (front_score[:, None] + top.values).reshape(-1)
+            logits = head.compute_logits(front_h)
+            # the C tree's own log-probabilities where it runs (the two searches draft the same trees)
+            logp = cpu_layers.log_softmax(logits) if work == torch.float32 else None
+            logp = torch.log_softmax(logits.to(work), dim=-1) if logp is None else logp
+            top_v, top_i = topk_first(logp, k)  # [m, k]
+            child_tok = top_i if d2t is None else d2t[top_i]
+            child_score = (front_score[:, None] + top_v).reshape(-1)
             m = front_idx.shape[0]
             tokens.append(child_tok.reshape(-1))
             parents.append(front_idx.repeat_interleave(k))
@@ -252,7 +267,7 @@ class EagleDrafter(Drafter):
             if d == depth:
                 break
             # EAGLE-2: expand the top_k newest nodes by cumulative score
-            sel = child_score.topk(min(k, m * k)).indices.sort().values
+            sel = topk_first(child_score, min(k, m * k))[1].sort().values
             par = sel // k
             front_h, front_rows = self._step(tokens[-1][sel], front_h[par], front_rows[par], base + d - 1)
             front_idx, front_score = child_idx[sel], child_score[sel]
@@ -331,6 +346,21 @@ class EagleDrafter(Drafter):
         keep = torch.arange(tok.shape[0], device=dev)
         q_all = self._target_vocab(torch.cat(qs))
         return subtree(root, tok, torch.cat(parents), keep, q_all)
+
+
+def topk_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.topk(k)`` (values, indices; largest first) with equal values in index order, which
+    ``torch.topk`` leaves open: the tree search ranks bf16-derived scores, where ties are common,
+    and its C twin (``cpu_layers.eagle3_draft``) breaks them by index."""
+    vals, idx = x.topk(k, dim=-1)
+    kth = vals[..., -1:]
+    if bool(((x >= kth).sum(-1) > k).any()):  # ties across the cut: a full stable sort decides
+        order = torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+        return x.gather(-1, order), order
+    idx, o = idx.sort(dim=-1)  # ties inside the cut: index order, then a stable sort by value
+    vals = vals.gather(-1, o)
+    o = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+    return vals.gather(-1, o), idx.gather(-1, o)
 
 
 def subtree(root: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, keep: torch.Tensor,

@@ -557,7 +557,7 @@ class Eagle3Head(_EagleBase):
     @torch.inference_mode()
     def fused_draft(self, input_ids: torch.Tensor | None, features: torch.Tensor | None, hidden: torch.Tensor | None,
                     depth: int, cache: StaticKVCache, temperature: float = 0.0,
-                    generator: torch.Generator | None = None) -> tuple | None:
+                    generator: torch.Generator | None = None, top_k: int = 0, budget: int = 0) -> tuple | None:
         """The drafter's queued committed pairs (next ``input_ids`` ``[1, n]``, raw target ``features``
         ``[1, n, F, H]``; None when nothing is queued) run on ``cache`` and committed, then a chain of
         ``depth`` drafts from the last output (or from ``hidden`` ``[1, H]``), in one C call
@@ -565,15 +565,17 @@ class Eagle3Head(_EagleBase):
         :meth:`compute_logits` compute, the same bits, without ~1 ms of Python per drafting step.
         Greedy (``temperature`` 0): the argmax per depth. Sampling: each draft drawn from
         ``softmax(logits / temperature)`` by one fp64 uniform from ``generator`` per depth (as
-        :func:`~..sampling.sample` draws). Returns (target ids ``[depth]``, the new root hidden
-        ``[1, H]``, the draft distributions ``[depth, Vd]`` or None when greedy), or None where it does
-        not run (not the AVX-512 BF16 kernels, another dtype, more than ``cpu_layers.MAX_TOKENS``
-        queued pairs, non-finite scaled logits): the caller takes the step-by-step path, with the
-        cache and the generator as they were."""
+        :func:`~..sampling.sample` draws). ``top_k`` > 0 (greedy): EAGLE-2's tree of at most ``budget``
+        nodes instead of a chain (the drafter's ``_grow_greedy``, the same drafts). Returns (target ids,
+        the new root hidden ``[1, H]``, the draft distributions ``[depth, Vd]`` or None when greedy, the
+        tree's parents (0 = root) or None for a chain), or None where it does not run (not the AVX-512
+        BF16 kernels, another dtype, more than ``cpu_layers.MAX_TOKENS`` queued pairs or ``top_k``,
+        non-finite scaled logits): the caller takes the step-by-step path, with the cache and the
+        generator as they were."""
         n = 0 if input_ids is None else input_ids.shape[1]
         run = self.__dict__.get("_linears")
         if run is None or tuple(run.kernels[:2]) != ("avx512bf16", "avx512bf16") or n > cpu_layers.MAX_TOKENS \
-                or (n == 0 and (depth == 0 or hidden is None)) \
+                or (n == 0 and (depth == 0 or hidden is None)) or top_k > cpu_layers.MAX_TOKENS \
                 or (n and (input_ids.shape[0] != 1 or features.dtype != torch.bfloat16 or features.device.type != "cpu")):
             return None
         table = self._layer_table(1, max(n, 1), None, cache)
@@ -581,8 +583,8 @@ class Eagle3Head(_EagleBase):
         if w is None:
             return None
         cache.check_ready()
-        steps = n + max(depth - 1, 0)  # new cache entries: the queued pairs, every draft but the last
-        cache.reserve(steps)
+        steps = n + max(depth - 1, 0)  # positions: the queued pairs, every depth but the last
+        cache.reserve(n + max(depth - 1, 0) * max(top_k, 1))  # a tree's steps write up to top_k entries
         past = cache.length
         cos, sin = self._rope.span(past, steps, w["onw"])
         a = self.architecture
@@ -595,18 +597,18 @@ class Eagle3Head(_EagleBase):
             table, w, features.reshape(n, -1, H) if n else None, input_ids if n else None, hidden, depth, cache.kv,
             past, cos, sin, heads=(a["num_attention_heads"], a["num_key_value_heads"]),
             intermediate=a["intermediate_size"], eps=w["eps"], scale=self.layer.self_attn.scaling,
-            temperature=temperature if depth else 0.0, uniforms=uniforms)
+            temperature=temperature if depth else 0.0, uniforms=uniforms, top_k=top_k if depth else 0, budget=budget)
         if out is None:  # a draft row was not finite: nothing is kept, the uniforms go back
             if generator is not None:
                 generator.set_state(state)
             else:
                 torch.random.set_rng_state(state)
             return None
-        tokens, h, q = out
+        tokens, h, q, parents = out
         if n:
             cache.mark_appended(n)
             cache.commit()
-        return tokens, h.view(1, H), q
+        return tokens, h.view(1, H), q, parents
 
     def _draft_weights(self, run: PreparedLinears) -> dict | None:
         """:meth:`fused_draft`'s weights (see :func:`.cpu_layers.eagle3_draft`), kept while they are
