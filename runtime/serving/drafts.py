@@ -35,8 +35,9 @@ import time
 
 import torch
 
+from .. import cpu_layers
 from ..sampling import SamplingParams, probs_from_logits, sample
-from ..drafters.eagle import subtree
+from ..drafters.eagle import subtree, topk_first
 from ..tree import Draft
 
 __all__ = ["LONG_QUEUE", "SlotDrafts"]
@@ -223,10 +224,13 @@ class SlotDrafts:
         n_nodes, written = 1, 0
         for d in range(1, depth + 1):
             m = front_h.shape[1]
-            logp = torch.log_softmax(head.compute_logits(front_h.reshape(R * m, -1)).to(work), dim=-1)
-            top = logp.view(R, m, -1).topk(k, dim=-1)  # [R, m, k]
-            child_tok = (top.indices if d2t is None else d2t[top.indices]).reshape(R, m * k)
-            child_score = (front_score[:, :, None] + top.values).reshape(R, m * k)
+            logits = head.compute_logits(front_h.reshape(R * m, -1))
+            # ranked as the per-request search ranks (its C log-probabilities, ties by index)
+            logp = cpu_layers.log_softmax(logits) if work == torch.float32 else None
+            logp = torch.log_softmax(logits.to(work), dim=-1) if logp is None else logp
+            top_v, top_i = topk_first(logp.view(R, m, -1), k)  # [R, m, k]
+            child_tok = (top_i if d2t is None else d2t[top_i]).reshape(R, m * k)
+            child_score = (front_score[:, :, None] + top_v).reshape(R, m * k)
             tokens.append(child_tok)
             parents.append(front_idx.repeat_interleave(k, dim=1))
             scores.append(child_score)
@@ -234,7 +238,7 @@ class SlotDrafts:
             n_nodes += m * k
             if d == depth:
                 break
-            sel = child_score.topk(min(k, m * k), dim=-1).indices.sort(dim=-1).values  # [R, e]
+            sel = topk_first(child_score, min(k, m * k))[1].sort(dim=-1).values  # [R, e]
             par = sel // k
             e = sel.shape[1]
             anc = torch.gather(front_rows, 1, par[:, :, None].expand(R, e, written))
