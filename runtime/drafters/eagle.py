@@ -9,9 +9,11 @@ over committed pairs ``(feature of token t, token t+1)``, run by the head's in-p
 run at the next ``propose`` (so nothing is computed for a sequence that ends). The tree search
 then appends draft entries (positions by depth, an ancestor mask) and crops the cache back to
 the committed length before returning. Where the head has ``fused_draft`` (EAGLE-3 on the AVX-512
-BF16 kernels, at most ``cpu_layers.MAX_TOKENS`` queued pairs) the queue runs in one C call, with a
-chain's drafting in the same call (greedy, or sampled with a plain temperature): the same drafts,
-without ~0.3-0.4 ms of Python per step.
+BF16 kernels, at most ``cpu_layers.MAX_TOKENS`` queued pairs) the queue runs in one C call, with the
+proposal in the same call: a chain (greedy, or sampled with a plain temperature) or a greedy tree
+(top-k up to ``MAX_C_TOP_K``): the same drafts as the step-by-step search below, without ~0.5 ms of
+Python per step. Trees rank by the C log-probabilities where the head's logits are bf16, with equal
+scores in index order (:func:`topk_first`), so both searches keep the same nodes.
 
 Chains (a node budget equal to the depth): the argmax (greedy) or one draw from ``q`` (sampling)
 at every depth, no tree search.
