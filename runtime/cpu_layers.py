@@ -396,33 +396,30 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | Non
     return y
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor | None:
-    """``x.argmax(-1)`` of bf16 logits (first maximal index, NaN counting as maximal) in one C pass
-    over the bf16 values, or None where it does not apply (another dtype, no kernel)."""
+def _per_row(x: torch.Tensor, fn: str, out: torch.Tensor) -> torch.Tensor | None:
+    """``out`` filled by the C function ``fn(x, rows, V, out)`` over the rows of bf16 ``x`` ``[..., V]``,
+    or None where that does not apply (another dtype or device, an empty row, no kernel)."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] == 0:
         return None
     lib = _load()[0]
     if lib is None:
         return None
     x = x.contiguous()
-    out = torch.empty(x.shape[:-1], dtype=torch.long)
-    lib.sf_argmax_bf16(x.data_ptr(), out.numel(), x.shape[-1], out.data_ptr())
+    getattr(lib, fn)(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], out.data_ptr())
     return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """``x.argmax(-1)`` of bf16 logits (first maximal index, NaN counting as maximal) in one C pass
+    over the bf16 values, or None where it does not apply (another dtype, no kernel)."""
+    return _per_row(x, "sf_argmax_bf16", torch.empty(x.shape[:-1], dtype=torch.long))
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor | None:
     """``torch.log_softmax(x.float(), -1)`` of bf16 rows in C (the drafting tree's own: :func:`eagle3_draft`
     ranks with these values, so the step-by-step tree search uses them too), or None where it does
     not apply (another dtype, no kernel)."""
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] == 0:
-        return None
-    lib = _load()[0]
-    if lib is None:
-        return None
-    x = x.contiguous()
-    out = torch.empty(x.shape, dtype=torch.float32)
-    lib.sf_log_softmax_bf16(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], out.data_ptr())
-    return out
+    return _per_row(x, "sf_log_softmax_bf16", torch.empty(x.shape, dtype=torch.float32))
 
 
 def layer_table(layers: list[dict]) -> torch.Tensor:

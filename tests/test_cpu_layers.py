@@ -421,3 +421,22 @@ def test_speculative_sampling_through_the_kernel_keeps_the_target_distribution(m
     # the check can fail: a distribution that is not the target's (its tokens shifted by one) is rejected
     shifted = {tuple((t + 1) % V for t in k): v for k, v in exact.items()}
     assert goodness_of_fit(shifted, {k: c for k, c in counts.items() if shifted.get(k, 0) > 0}, n)[0] < 1e-3
+
+
+def test_tree_ranking_helpers():
+    """The C log-probabilities are PyTorch's within fp32 rounding; topk_first returns torch.topk's values
+    with equal values in index order, ties across the cut included."""
+    from specfoundry.runtime.drafters.eagle import topk_first
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 4099, generator=g) * 4).bfloat16()  # not a multiple of 16: the masked tail
+    got = cpu_layers.log_softmax(x)
+    assert (got - torch.log_softmax(x.float(), -1)).abs().max() < 2e-5
+    assert cpu_layers.log_softmax(x.float()) is None
+    v = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, 0.0], [5.0, 1.0, 1.0, 1.0, 1.0, 0.0]])
+    vals, idx = topk_first(v, 2)
+    assert idx.tolist() == [[1, 2], [0, 1]] and vals.tolist() == [[3.0, 3.0], [5.0, 1.0]]
+    vals, idx = topk_first(v, 4)
+    assert idx.tolist() == [[1, 2, 4, 3], [0, 1, 2, 3]]
+    r = torch.randn(3, 50, generator=g)
+    assert torch.equal(topk_first(r, 7)[0], r.topk(7).values)
