@@ -440,3 +440,22 @@ def test_tree_ranking_helpers():
     assert idx.tolist() == [[1, 2, 4, 3], [0, 1, 2, 3]]
     r = torch.randn(3, 50, generator=g)
     assert torch.equal(topk_first(r, 7)[0], r.topk(7).values)
+
+
+def test_fused_drafting_grows_a_full_head_cache(monkeypatch):
+    """A head cache that fills up mid-generation is grown before the C call writes into it: the drafts
+    and outputs still equal the step-by-step path's."""
+    from specfoundry.runtime.speculators.eagle import Eagle3Head
+
+    real_new = Eagle3Head.new_cache
+    monkeypatch.setattr(Eagle3Head, "new_cache", lambda self, capacity=1024: real_new(self, 20))
+    target = _target(init_std=0.5)
+    drafter = _eagle3_chain(target, tree="dynamic", top_k=4, total_tokens=10, depth=3)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 96, (6,), generator=g).tolist() * 3 for _ in range(2)]
+    fused = _drafts_and_outputs(target, drafter, prompts)
+    assert drafter.cache.capacity > 20  # it grew
+    monkeypatch.setattr(Eagle3Head, "fused_draft", lambda *a, **k: None)
+    step_by_step = _drafts_and_outputs(target, drafter, prompts)
+    assert fused[1] == step_by_step[1]
+    assert [(t, p) for t, p, _ in fused[0]] == [(t, p) for t, p, _ in step_by_step[0]]
