@@ -1,5 +1,7 @@
 """One sequence's decoder layers in one C call (AVX-512 BF16): the engine's decode and small
-verification steps, and the EAGLE heads' drafting layer.
+verification steps, the EAGLE heads' drafting layer, and an EAGLE-3 head's whole proposal
+(:func:`eagle3_draft`: the accepted pairs' feature fusion and layer pass, then a chain or EAGLE-2's
+greedy tree, drafted without returning to Python; twenty-fourth session).
 
 Scope: Llama-family layers (RMSNorm, fused Q/K/V with an optional bias, rotate-half RoPE, grouped-
 query attention over a static cache, SiLU-gated MLP) for 1-:data:`MAX_TOKENS` new tokens of one
