@@ -188,7 +188,7 @@ ATTN(sf_attn_f32, float, ld_f32)
 # the AVX-512 BF16 kernel (sf_attn_rows: decode_attention's one row, slot_attention's rows of a bf16
 # cache): scores by vdpbf16ps (2 per column for D = 64) into 16 partial sums per column, the 16
 # columns of a block reduced together by one transposed sum; fp32 softmax; P V in fp32 against V
-# widened exactly; one (row, query head) per task
+# widened exactly; one (row, KV head, part of its query rows) per task
 _SOURCE_DECODE = r"""
 #include <immintrin.h>
 #include <omp.h>

@@ -34,7 +34,8 @@ import torch
 from . import cpu_attention, cpu_gemv, cpu_verify
 from .native import AVX512_BF16, build
 
-__all__ = ["MAX_TOKENS", "argmax", "available", "eagle3_draft", "layer_table", "log_softmax", "rms_norm", "run_layers", "supports", "unavailable_reason"]
+__all__ = ["MAX_TOKENS", "argmax", "available", "eagle3_draft", "layer_table", "log_softmax", "rms_norm", "run_layers",
+           "supports", "unavailable_reason"]
 
 #: most new tokens per call: the few-row product's one pass (more go to the many-row kernel)
 MAX_TOKENS = cpu_gemv.MAX_ROWS
@@ -492,8 +493,8 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
                  top_k: int = 0, budget: int = 0) -> tuple | None:
     """An EAGLE-3 head's drafting step for one sequence in one C call: the queued committed pairs
     (raw target ``features`` ``[n, F, H]`` and next ``ids`` ``[n]``, or None) through the feature
-    norms, ``fc`` and the head's layer (their K/V written at ``past``), then a greedy chain of
-    ``depth`` drafts from the last output (or from ``hidden`` ``[H]`` when nothing is queued).
+    norms, ``fc`` and the head's layer (their K/V written at ``past``), then a chain of ``depth``
+    drafts (or a tree, below) from the last output (or from ``hidden`` ``[H]`` when nothing is queued).
     ``table``: the head layer's :func:`layer_table`; ``w``: bf16 ``fnw`` ``[F, H]``, ``fcw``, ``inw``,
     ``hnw``, ``onw`` (input, hidden and output norms), ``lmw`` ``[Vd, H]``, ``emb`` ``[V, H]``, and
     ``d2t`` (long ``[Vd]`` or None); ``cos``/``sin`` ``[n + max(depth - 1, 0), D]`` from position ``past``.
