@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = ["MaskBuffer", "StaticKVCache", "attend", "grouped_attention", "rotate", "row_mask"]
 
 
 #: query tokens above which attention pads them to a multiple of this (see :func:`grouped_attention`)
 QUERY_BUCKET = 16
+
+#: SDPA backends allowed on CUDA (empty = PyTorch's own choice). Every one but cuDNN's: cuDNN builds
+#: an execution graph per new shape, and a decode or verification step sees a new key length every
+#: step. On an H200 (torch 2.11) eager steps cost ~48 ms the first time a length was seen and ~12 ms
+#: after (docs/results.md, twenty-fifth session); cuDNN's per-shape graphs are the suspected cause,
+#: which tools/gpu_run.py's ``sdpa_shapes`` measures on the next GPU lent (not confirmed yet).
+CUDA_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -59,7 +67,11 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             mask = F.pad(mask.reshape(*lead, g, n, S), (0, 0, 0, pad), value=True if mask.dtype == torch.bool else 0.0) \
                 .reshape(*lead, g * m, S)
     qg = q.reshape(B, m, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, hkv, g * m, D)
-    o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    if qg.is_cuda and CUDA_SDPA_BACKENDS:
+        with sdpa_kernel(list(CUDA_SDPA_BACKENDS)):
+            o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    else:
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
     return o.view(B, hkv, g, m, D)[:, :, :, :n].permute(0, 3, 1, 2, 4).reshape(B, n, hq * D)
 
 

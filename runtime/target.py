@@ -12,7 +12,9 @@ The same adapter serves draft language models (the ``draft`` drafter).
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +36,21 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """
     mask = torch.zeros(allowed.shape[0], 1, *allowed.shape[1:], dtype=dtype, device=allowed.device)
     return mask.masked_fill_(~allowed.unsqueeze(1), torch.finfo(dtype).min)
+
+
+@functools.cache
+def _cache_kwarg() -> str:
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    return "cache" if "cache" in inspect.signature(LlamaAttention.forward).parameters else "past_key_values"
+
+
+def hf_cache_kw(cache) -> dict:
+    """``{name: cache}`` for a transformers model, decoder layer or attention call. transformers 5.24
+    renamed the cache argument ``past_key_values`` to ``cache``; before it ``cache=`` lands in
+    ``**kwargs`` and is ignored (no KV cache at all: found on a GPU machine with 5.17), so every
+    call passes it under the name the installed version takes."""
+    return {_cache_kwarg(): cache}
 
 
 class KVCache:
@@ -244,7 +261,7 @@ class TargetModel(ChatTokenizerMixin):
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids.to(dev),
-            cache=cache.hf,
+            **hf_cache_kw(cache.hf),
             use_cache=True,
             output_hidden_states=want_hidden,
         )

@@ -60,6 +60,8 @@ def test_decode_sections_run_on_cpu_with_a_tiny_target(tmp_path):
         assert rec["status"] == "ok", rec
         det = rec["details"]
         assert det["backend"] == backend and det["identical"] == "1/1" and det["tau"] >= 1.0 and det["speedup"] > 0
+        # the speed-up comes from the second (warm) round; the first is reported beside it
+        assert det["lossless"] == "1/1" and set(det["cold_round_s"]) == {"plain", "speculative"}
     assert secs["train"]["status"] == "skipped"
 
 
@@ -94,3 +96,16 @@ def test_the_tree_attention_section_functions_on_cpu():
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert set(out) == {"1", "5"} and all(r["max_abs_diff"] < 1e-4 for r in out.values()), out
+
+
+def test_the_sdpa_new_length_probe_runs_the_engine_attention_on_cpu():
+    """The probe of first-seen vs repeated key lengths (CUDA's per-shape setup) runs the engine's
+    own attention under both backend settings and leaves the module's setting as it was."""
+    import torch
+
+    from specfoundry.runtime import kvcache
+
+    was = kvcache.CUDA_SDPA_BACKENDS
+    out = _gpu_run_module().sdpa_new_lengths("cpu", torch.float32, lengths=range(40, 42), reps=1)
+    assert set(out) == {"pytorch_choice", "engine"} and kvcache.CUDA_SDPA_BACKENDS == was
+    assert all(v["first_ms"] > 0 and v["again_ms"] > 0 for v in out.values())

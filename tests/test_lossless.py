@@ -108,8 +108,8 @@ def test_greedy_exact_on_cuda(dtype):
     target = tiny_llama(0, dtype=dtype)
     target.model.to("cuda")
     for label, drafter, opts in _drafters(target):
-        if label in ("draft-close", "draft-far"):
-            continue  # those draft models are built on the CPU
+        if label in ("draft-close", "draft-far", "draft-lookup"):
+            continue  # those draft models are built on the CPU (draft-lookup wraps one: failed on an H200)
         gen = SpeculativeGenerator(target, drafter, adaptive=False, **opts)
         for prompt in PROMPTS:
             spec = gen.generate(prompt_ids=prompt, max_new_tokens=24)

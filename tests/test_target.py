@@ -109,3 +109,62 @@ def test_fingerprint_tracks_weights_not_dtype():
     assert a.fingerprint() == a32.fingerprint()
     ident = a.identity()
     assert set(ident) == {"name", "vocab_size", "hidden_size", "num_layers", "fingerprint"}
+
+
+def test_cache_argument_spelled_as_the_installed_transformers_takes_it(monkeypatch):
+    """transformers 5.24 renamed the models' ``past_key_values`` to ``cache``; an older version
+    silently ignores ``cache=`` (no KV cache: a GPU machine with 5.17 failed on the HF path).
+    Every call goes through ``hf_cache_kw``: with either spelling (this version still takes the
+    old one) the HF target and an EAGLE-3 head on a cache give the same results."""
+    import inspect
+
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from specfoundry.runtime import SpeculativeGenerator, load_drafter
+    from specfoundry.runtime import target as T
+
+    params = inspect.signature(LlamaAttention.forward).parameters
+    assert T._cache_kwarg() in params
+    target = tiny_llama(0, dtype=torch.float32, backend="hf")
+    prompt = [3, 17, 5, 9, 3, 17]
+
+    def run():
+        drafter = load_drafter("eagle3", target=target)
+        out = SpeculativeGenerator(target, drafter, adaptive=False, max_depth=3).generate(
+            prompt_ids=prompt, max_new_tokens=12, stop_at_eos=False)
+        plain = SpeculativeGenerator(target).generate(prompt_ids=prompt, max_new_tokens=12, speculate=False,
+                                                      stop_at_eos=False)
+        cache = T.KVCache()
+        torch.manual_seed(0)
+        head = drafter.head
+        ids = torch.tensor([prompt])
+        h1 = head(ids[:, :4], torch.randn(1, 4, target.hidden_size), cache=cache)
+        cache.commit()
+        h2 = head(ids[:, 4:], torch.randn(1, 2, target.hidden_size), cache=cache)
+        cache.commit()
+        assert cache.length == 6  # the head's layer wrote its K/V into the cache
+        return out.token_ids, plain.token_ids, torch.cat([h1, h2], 1)
+
+    torch.manual_seed(1)
+    want = run()
+    assert want[0] == want[1]
+    for name in ("cache", "past_key_values"):
+        monkeypatch.setattr(T, "_cache_kwarg", lambda name=name: name)
+        torch.manual_seed(1)
+        got = run()
+        assert got[:2] == want[:2]
+        torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)
+
+
+def test_drafter_takes_the_kernels_of_the_target_as_it_is_now():
+    """A target moved after its engine was built (``.to('cuda')``, a dtype change) rebuilds the
+    engine when next used; a head loaded then must take the new engine's kernels, not the stale
+    ones (a CPU kernel picked for a head on CUDA failed on a GPU machine)."""
+    from specfoundry.runtime import load_drafter
+
+    target = tiny_llama(0, dtype=torch.float32)
+    stale = target.engine
+    target.model.to(torch.bfloat16)
+    drafter = load_drafter("eagle3", target=target)
+    assert target.engine is not stale
+    assert drafter.head._linears.kernels == target.engine.kernels

@@ -131,6 +131,47 @@ def verify_cost(config: dict, device: str, dtype, past: int = 1024, ns=(1, 16, 3
     return out
 
 
+def sdpa_new_lengths(device: str, dtype, lengths=range(300, 308), reps: int = 3) -> dict:
+    """ms of the engine's attention call (:func:`~specfoundry.runtime.kvcache.grouped_attention`,
+    SmolLM2's heads, one new token, a bool mask) the first time a key length is seen and when it is
+    seen again (median over ``lengths``), with PyTorch's own SDPA backend choice and with the
+    engine's (``kvcache.CUDA_SDPA_BACKENDS``, cuDNN's left out): whether per-shape setup is what
+    made first-seen lengths cost ~4x on an H200. Distinct lengths per setting, so neither inherits
+    the other's caches."""
+    import statistics
+
+    import torch
+
+    from specfoundry.runtime import kvcache
+
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    out = {}
+    for k, (label, backends) in enumerate((("pytorch_choice", ()), ("engine", kvcache.CUDA_SDPA_BACKENDS))):
+        first, again = [], []
+        was = kvcache.CUDA_SDPA_BACKENDS
+        kvcache.CUDA_SDPA_BACKENDS = backends
+        try:
+            for S in lengths:
+                S = S + 1000 * k
+                q = torch.randn(1, 1, 9, 64, device=dev, dtype=dtype)
+                kv = torch.randn(2, 1, 3, S, 64, device=dev, dtype=dtype)
+                mask = torch.ones(1, 1, 3, S, dtype=torch.bool, device=dev)
+                times = []
+                for _ in range(1 + reps):
+                    sync()
+                    t0 = time.perf_counter()
+                    kvcache.grouped_attention(q, kv[0], kv[1], mask, 0.125)
+                    sync()
+                    times.append(1e3 * (time.perf_counter() - t0))
+                first.append(times[0])
+                again.append(min(times[1:]))
+        finally:
+            kvcache.CUDA_SDPA_BACKENDS = was
+        out[label] = {"first_ms": round(statistics.median(first), 3), "again_ms": round(statistics.median(again), 3)}
+    return out
+
+
 class Skip(Exception):
     """A section that cannot run here (the reason is the message)."""
 
@@ -225,6 +266,7 @@ class Run:
         import torch
 
         from specfoundry.runtime import SpeculativeGenerator, load_drafter, load_target
+        from specfoundry.runtime.lossless import compare_greedy
 
         self.need_device()
         dev = "cuda" if self.device == "cuda" else "cpu"
@@ -240,27 +282,46 @@ class Run:
         n_tok = self.args.max_new_tokens
         gen.generate(prompt=PROMPTS[0], max_new_tokens=16, speculate=False)  # warm-up (kernels, graphs)
         gen.generate(prompt=PROMPTS[0], max_new_tokens=16)
-        rows, plain_s, spec_s, plain_n, spec_n, same = [], 0.0, 0.0, 0, 0, 0
-        taus = []
-        for p in PROMPTS[: self.args.prompts]:
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            a = gen.generate(prompt=p, max_new_tokens=n_tok, speculate=False, stop_at_eos=False)
-            b = gen.generate(prompt=p, max_new_tokens=n_tok, stop_at_eos=False)
-            plain_s += a.stats.seconds
-            spec_s += b.stats.seconds
-            plain_n += len(a.token_ids)
-            spec_n += len(b.token_ids)
-            same += a.token_ids == b.token_ids
-            taus.append(b.stats.tau)
-            rows.append({"tau": round(b.stats.tau, 3), "plain_tok_s": round(len(a.token_ids) / a.stats.seconds, 1),
-                         "spec_tok_s": round(len(b.token_ids) / b.stats.seconds, 1),
-                         "identical": a.token_ids == b.token_ids})
+        # Two rounds over the prompts. The first run at a context length it has not seen pays one-time
+        # costs on CUDA (an H200 eager step: ~48 ms the first time, ~12 ms after), so a plain run first
+        # and the speculative run after it on the same prompt made speculation look 3x faster at
+        # tau 1.1 (session 25). Round "cold" alternates which runs first; round "warm" repeats the
+        # prompts (every length seen) and gives the speed-up.
+        secs = {"cold": [0.0, 0.0], "warm": [0.0, 0.0]}  # plain, speculative
+        rows, plain_n, spec_n, same, lossless, taus = [], 0, 0, 0, 0, []
+        for rnd in ("cold", "warm"):
+            for i, p in enumerate(PROMPTS[: self.args.prompts]):
+                res = {}
+                for spec in ((False, True) if i % 2 == 0 else (True, False)):
+                    if dev == "cuda":
+                        torch.cuda.synchronize()
+                    res[spec] = gen.generate(prompt=p, max_new_tokens=n_tok, speculate=spec, stop_at_eos=False)
+                a, b = res[False], res[True]
+                secs[rnd][0] += a.stats.seconds
+                secs[rnd][1] += b.stats.seconds
+                if rnd == "cold":
+                    continue
+                plain_n += len(a.token_ids)
+                spec_n += len(b.token_ids)
+                same += a.token_ids == b.token_ids
+                # bf16: a flip at a near-tie is rounding; the float32 recomputation is the judge
+                cmp = compare_greedy(target, a.prompt_ids, b.token_ids, a.token_ids)
+                lossless += cmp.ok
+                taus.append(b.stats.tau)
+                rows.append({"tau": round(b.stats.tau, 3), "plain_tok_s": round(len(a.token_ids) / a.stats.seconds, 1),
+                             "spec_tok_s": round(len(b.token_ids) / b.stats.seconds, 1),
+                             "identical": a.token_ids == b.token_ids,
+                             **({} if cmp.identical else {"divergence": cmp.as_dict()})})
+        plain_s, spec_s = secs["warm"]
         out = {"target": self.args.target, "backend": type(target).__name__ + ("+cuda_graphs" if graphs else ""),
                "dtype": str(self.dtype).removeprefix("torch."), "device": dev, "drafter": str(source),
                "tau": round(sum(taus) / len(taus), 3), "plain_tok_s": round(plain_n / plain_s, 1),
                "spec_tok_s": round(spec_n / spec_s, 1), "speedup": round((spec_n / spec_s) / (plain_n / plain_s), 3),
-               "identical": f"{same}/{len(rows)}", "per_prompt": rows}
+               "identical": f"{same}/{len(rows)}", "lossless": f"{lossless}/{len(rows)}",
+               "cold_round_s": {"plain": round(secs["cold"][0], 2), "speculative": round(secs["cold"][1], 2)},
+               "per_prompt": rows}
+        if not graphs and dev == "cuda":
+            out["sdpa_new_length_ms"] = sdpa_new_lengths("cuda", self.dtype)
         if graphs and dev == "cuda":
             from specfoundry.runtime.cuda_graph import measure
 

@@ -33,6 +33,7 @@ import torch
 
 from specfoundry.runtime.chat import encode_chat, encode_text
 from specfoundry.runtime.logs import stderr_logger
+from specfoundry.runtime.target import hf_cache_kw
 from specfoundry.runtime.sampling import SamplingParams, sample_batch
 
 from .datacache import ChunkReport, GenStats, cached_chunks, dtype_name, model_fingerprint, resolve_dtype, stable_hash
@@ -249,7 +250,7 @@ def _generate_static(model, prompts: list[list[int]], rows: list[int], *, max_ne
         # several layers), applied to a contiguous [B, H] matrix: HF's logits_to_keep=1 hands it
         # a strided [B, 1, H] view that CPU bf16 runs as a batched matmul over B copies of the
         # weight (measured: 2.7 GB copied per batch of 48, ~1.7 s)
-        out = model.model(input_ids=x, attention_mask=m, position_ids=p, cache=cache, use_cache=True)
+        out = model.model(input_ids=x, attention_mask=m, position_ids=p, use_cache=True, **hf_cache_kw(cache))
         return model.lm_head(out.last_hidden_state[:, -1].contiguous())
 
     logits = forward(ids, mask, pos)

@@ -48,7 +48,7 @@ from torch import nn
 from transformers import AttentionInterface
 
 from specfoundry.runtime.speculators import Eagle3Head, EagleHead, MedusaHeads
-from specfoundry.runtime.target import TargetModel
+from specfoundry.runtime.target import TargetModel, hf_cache_kw
 
 from . import tree_attention as _ta
 from .tree_mask import pack_tree_mask
@@ -160,7 +160,7 @@ class TargetGraph(nn.Module):
         pos_emb = m.rotary_emb(h, position_ids)
         hidden_states = [h]  # HF numbering: 0 = embeddings, i = input of layer i
         for layer in m.layers[: self.num_layers]:
-            h = layer(h, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True,
+            h = layer(h, attention_mask=mask, position_ids=position_ids, use_cache=True, **hf_cache_kw(cache),
                       position_embeddings=pos_emb)
             hidden_states.append(h)
         h = m.norm(h)
@@ -187,8 +187,8 @@ class EagleStepGraph(nn.Module):
         cache = _FlatCache([past_key, past_value])
         mask = _graph_mask(tree_mask, past_key.shape[2], self.variant)
         pos_emb = head.rotary_emb(hidden, position_ids)
-        out = head._decode(input_ids, hidden, attention_mask=mask, position_ids=position_ids, cache=cache,
-                           use_cache=True, position_embeddings=pos_emb)
+        out = head._decode(input_ids, hidden, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                           position_embeddings=pos_emb, **hf_cache_kw(cache))
         return (out, head.compute_logits(out), *cache.outputs())
 
 

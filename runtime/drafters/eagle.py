@@ -403,9 +403,11 @@ def _make(drafter_cls, source, target, architecture: dict | None = None, seed: i
             cfg = {"training": {"drafter_options": (cfg.get("training") or {}).get("drafter_options")}}
         saved, default_adaptive = default_draft_shape(cfg)
         options = {**saved, **options}
-    engine = getattr(target, "engine", None)
-    if engine is not None and hasattr(head, "use_kernels"):
-        head.use_kernels(engine.kernels)  # the target engine's measured kernels for this machine/dtype
+    # the target engine as it is now: one built before a .to(device/dtype) holds the old device's
+    # kernels (a CPU kernel for a head on CUDA failed on a GPU machine)
+    current = getattr(target, "_engine", None)
+    if current is not None and hasattr(head, "use_kernels"):
+        head.use_kernels(current().kernels)  # the target engine's measured kernels for this machine/dtype
     drafter = drafter_cls(head, **options)
     drafter.default_adaptive = default_adaptive
     return drafter

@@ -45,7 +45,7 @@ from .. import cpu_layers
 from ..engine import (MaskBuffer, PreparedLinears, RopeTable, StaticKVCache, attend, grouped_attention, kernel_for,
                       rms_norm, rotate)
 from ..kvcache import row_mask
-from ..target import additive_mask
+from ..target import additive_mask, hf_cache_kw
 from .vocab import set_draft_vocab
 from .eagle_layers import (
     LLAMA_LAYER_SCHEMA,
@@ -193,7 +193,7 @@ class _EagleBase(nn.Module):
             hidden,
             attention_mask=attention_mask.to(dev, dt),
             position_ids=position_ids,
-            cache=cache.hf if cache is not None else None,
+            **hf_cache_kw(cache.hf if cache is not None else None),
             use_cache=cache is not None,
             position_embeddings=pos_emb,
         )

@@ -134,15 +134,15 @@ class Eagle3DecoderLayer(LlamaDecoderLayer):
         attn.v_proj = nn.Linear(2 * H, config.num_key_value_heads * hd, bias=bias)
         self.hidden_norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, input_embeds=None, attention_mask=None, position_ids=None, cache=None,
+    def forward(self, hidden_states, input_embeds=None, attention_mask=None, position_ids=None,
                 use_cache=False, position_embeddings=None, **kwargs):
+        # the KV cache comes in ``kwargs`` under the installed transformers' name (target.hf_cache_kw)
         residual = hidden_states
         x = torch.cat([self.input_layernorm(input_embeds), self.hidden_norm(hidden_states)], dim=-1)
         attn_out, _ = self.self_attn(
             hidden_states=x,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             **kwargs,
