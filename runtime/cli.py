@@ -40,6 +40,9 @@ def _add_generate(sub) -> None:
                         "prompt + output, else the drafter's draft (default 2, measured faster with every "
                         "trained head; 0: off)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="on CUDA, run the engine's decode and verification steps in CUDA graphs (default: on "
+                        "for engine targets on CUDA; --no-cuda-graphs: eager)")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
                    help="auto (default): the dtype whose plain decoding is fastest here, measured at load")
     p.add_argument("--backend", default="auto", choices=["auto", "engine", "hf"],
@@ -101,7 +104,8 @@ def _generate(args) -> int:
     target = load_target(args.target, device=args.device, dtype=DTYPES[args.dtype], backend=args.backend)
     drafter = load_drafter(args.drafter, target=target)
     drafter = with_lookup(drafter, args.prompt_lookup)
-    gen = SpeculativeGenerator(target, drafter, max_depth=args.depth, max_nodes=args.nodes, adaptive=args.adaptive)
+    gen = SpeculativeGenerator(target, drafter, max_depth=args.depth, max_nodes=args.nodes, adaptive=args.adaptive,
+                               cuda_graphs=args.cuda_graphs)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.json:

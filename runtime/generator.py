@@ -167,6 +167,31 @@ CONTEXT_OVERFLOW = ("error", "truncate_prompt")
 MAX_NEW_TOKENS_UNKNOWN_CONTEXT = 1 << 17
 
 
+def _runs_on_cuda(target) -> bool:
+    from .engine import EngineTarget
+
+    return isinstance(target, EngineTarget) and target.device.type == "cuda"
+
+
+def _with_cuda_graphs(target, cuda_graphs: bool | None):
+    """``target`` with its decode and verification steps captured in CUDA graphs
+    (:class:`~.cuda_graph.GraphedTarget`) where it is an engine target on CUDA and ``cuda_graphs``
+    is not False: on an H200 a SmolLM2-135M step took 2.3-3.0 ms graphed against 10-13 ms eager,
+    same logits (docs/results.md, twenty-fifth session). True elsewhere is an error."""
+    if cuda_graphs not in (None, True, False):
+        raise ValueError(f"cuda_graphs must be True, False or None (on CUDA engine targets), got {cuda_graphs!r}")
+    if cuda_graphs is False:
+        return target
+    if not _runs_on_cuda(target):
+        if cuda_graphs:
+            raise ValueError(f"cuda_graphs=True needs an engine target on CUDA (load_target(..., device='cuda', "
+                             f"backend='engine')); got {type(target).__name__} on {getattr(target, 'device', '?')}")
+        return target
+    from .cuda_graph import GraphedTarget
+
+    return GraphedTarget(target)
+
+
 class SpeculativeGenerator:
     """Lossless speculative decoding of one sequence with ``target`` and ``drafter``.
 
@@ -175,6 +200,8 @@ class SpeculativeGenerator:
     choose the depth per step from measured acceptance and costs (turn it off for reproducible
     sampling runs with a fixed draft shape; None, the default: the drafter's ``default_adaptive``,
     which a trained head's measured runtime shape sets, :mod:`~specfoundry.runtime.tune`).
+    ``cuda_graphs``: an engine target on CUDA runs its steps in CUDA graphs (None, the default, or
+    True; False keeps them eager); elsewhere None does nothing and True is an error.
 
     Thread safety: an instance may be shared between threads. Every ``generate``/``stream`` call
     holds a lock of the target for the whole request (generators sharing one target share it),
@@ -185,8 +212,8 @@ class SpeculativeGenerator:
     """
 
     def __init__(self, target: TargetModel, drafter: Drafter | None = None, *, max_depth: int | None = None,
-                 max_nodes: int | None = None, adaptive: bool | None = None):
-        self.target = target
+                 max_nodes: int | None = None, adaptive: bool | None = None, cuda_graphs: bool | None = None):
+        self.target = _with_cuda_graphs(target, cuda_graphs)
         self.drafter = drafter
         if drafter is not None and not all(callable(getattr(drafter, m, None)) for m in ("begin", "propose", "commit")):
             raise ValueError(f"drafter must be a Drafter (begin/propose/commit), e.g. load_drafter('ngram', target=...); "
@@ -207,7 +234,7 @@ class SpeculativeGenerator:
             (min(int(drafter.default_nodes), MAX_DRAFT_NODES) if drafter else 1)
         self.adaptive = adaptive
         self._control: AdaptiveController | None = None
-        self._lock = _lock_for(target)
+        self._lock = _lock_for(target)  # the wrapped target's own: generators sharing it share the lock
 
     @contextlib.contextmanager
     def _exclusive(self):

@@ -220,3 +220,31 @@ def test_cuda_graphs_replay_what_the_eager_step_computes():
     got = SpeculativeGenerator(GraphedTarget(t), drafter, max_depth=4, adaptive=False).generate(
         prompt_ids=prompt_ids, max_new_tokens=20, stop_at_eos=False)
     assert got.token_ids == want.token_ids
+
+
+# -- (e) the generator graphs CUDA engine targets by default ------------------------------------------
+def test_the_generator_graphs_an_engine_target_on_cuda_by_default(monkeypatch):
+    """An engine target on CUDA is wrapped in a GraphedTarget unless ``cuda_graphs=False``; on the
+    CPU nothing changes and ``cuda_graphs=True`` is refused. Here "on CUDA" is faked, so the
+    wrapper runs its static step eagerly (what would be captured), and speculative greedy output
+    through it equals plain decoding of the unwrapped target."""
+    from specfoundry.runtime import generator as G
+    from specfoundry.runtime import load_drafter
+
+    t = tiny_llama(vocab=64, layers=2)
+    assert not isinstance(SpeculativeGenerator(t).target, GraphedTarget)
+    with pytest.raises(ValueError, match="needs an engine target on CUDA"):
+        SpeculativeGenerator(t, cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs must be"):
+        SpeculativeGenerator(t, cuda_graphs="yes")
+    prompt = [5, 9, 3, 5, 9, 3, 7]
+    want = SpeculativeGenerator(t).generate(prompt_ids=prompt, max_new_tokens=24, speculate=False,
+                                            stop_at_eos=False).token_ids
+    monkeypatch.setattr(G, "_runs_on_cuda", lambda target: True)
+    assert not isinstance(SpeculativeGenerator(t, cuda_graphs=False).target, GraphedTarget)
+    for drafter in (load_drafter("ngram", target=t), load_drafter("eagle3", target=t)):
+        gen = SpeculativeGenerator(t, drafter, max_depth=3, adaptive=False)
+        assert isinstance(gen.target, GraphedTarget) and gen.target.target is t
+        for _ in range(2):  # the second request reuses the wrapper's cache and steps
+            assert gen.generate(prompt_ids=prompt, max_new_tokens=24, stop_at_eos=False).token_ids == want
+        assert gen.target.steps  # the static steps ran

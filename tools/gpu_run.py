@@ -11,10 +11,13 @@ Sections, in order; each reports ``ok`` / ``failed`` / ``skipped`` (with the rea
                        128 Magpie prompts, <= 45 s of data, <= 1 min of training, <= 30 s of evaluation, tau measured at
                        the end; the run lands in ``<out>/train``.
 3. ``decode_hf``       speculative decoding on CUDA (bf16, greedy, 4 built-in prompts x 128 tokens)
-                       on the HF path: plain vs speculative, tau, speed-up, identical output. The
+                       on the HF path: plain vs speculative, tau, speed-up (a warm round; the cold
+                       round's seconds beside it), identical output and the float32 lossless verdict. The
                        drafter is section 2's EAGLE-3 head when it trained, else n-gram.
-4. ``decode_engine``   the same on the static-cache engine.
-5. ``decode_graphs``   the same on the engine with CUDA graphs (``runtime.cuda_graph.GraphedTarget``),
+4. ``decode_engine``   the same on the static-cache engine, eager (``cuda_graphs=False``), and the
+                       SDPA probe of first-seen key lengths (``sdpa_new_length_ms``).
+5. ``decode_graphs``   the same on the engine with CUDA graphs (``runtime.cuda_graph.GraphedTarget``,
+                       what ``SpeculativeGenerator`` uses on CUDA by default),
                        plus eager vs graphed ms per bucket (``cuda_graph.measure``).
 6. ``tree_attention``  the Triton tree-attention kernel vs SDPA (explicit mask) on Llama-3-8B
                        attention shapes (32/8 heads, head_dim 128, 1024 past tokens), and the verify
@@ -278,7 +281,8 @@ class Run:
             spec_target = GraphedTarget(target)
         source = self._drafter_source()
         drafter = load_drafter(source, target=target)
-        gen = SpeculativeGenerator(spec_target, drafter)
+        # the generator graphs CUDA engine targets itself; the eager section keeps them eager
+        gen = SpeculativeGenerator(spec_target, drafter, cuda_graphs=None if graphs else False)
         n_tok = self.args.max_new_tokens
         gen.generate(prompt=PROMPTS[0], max_new_tokens=16, speculate=False)  # warm-up (kernels, graphs)
         gen.generate(prompt=PROMPTS[0], max_new_tokens=16)
