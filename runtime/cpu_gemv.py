@@ -21,9 +21,10 @@ inputs (``vdpbf16ps``) and no widening, one weight row at a time against up to 8
 (two independent sums per row over alternating blocks of 32 inputs: the instruction's latency is
 hidden; several weight rows per pass measured slower), and rounds the outputs to bf16 itself. On a
 2-core AMD EPYC with avx512_bf16 (docs/results.md, twenty-second session) it streams SmolLM2-135M's
-matrices at 1 row in 7.4-8.2 ms at 1 thread against oneDNN's 9.9-10.9. It reads the weights ahead
-with a non-temporal prefetch hint, so streaming them does not evict the step's own code and data
-from the caches (1.10-1.20x per decode step on a Zen 5 EPYC, twenty-third session). Numerics: each output is one
+matrices at 1 row in 7.4-8.2 ms at 1 thread against oneDNN's 9.9-10.9. It prefetches the weights
+ahead into L2 (1.10-1.20x per decode step on a Zen 5 EPYC with a non-temporal hint, twenty-third
+session; the L2 hint since the twenty-fifth: as fast for one row, 1.1-1.25x faster speculative
+decoding, where several rows use each line for longer). Numerics: each output is one
 thread's fp32 sum in a fixed order whatever the row count and thread count, as above; the inputs
 are the activations' bf16 values as they are (ATen's bf16 products take the same inputs).
 
@@ -84,12 +85,15 @@ GEMV(sf_gemv_f32, float, ld_f32)
 # rows read from memory once for all of them (they stay in L1 across the chunks of 8 rows).
 _SOURCE_BF16 = r"""
 #include <immintrin.h>
-/* weights are read 4096 elements ahead with a non-temporal hint: a forward streams ~270 MB of them
-   through the caches, which otherwise evict the interpreter's and PyTorch's code and data between
-   steps (a verification's ~10 small ops ran 3.5x slower right after a forward than hot). Measured
-   (docs/results.md, twenty-third session): plain decoding 1.13x / 1.10x faster at 1 / 2 threads,
-   a head's chain 1.20x / 1.16x; 2048 ahead a little less. */
+/* weights are read 4096 elements ahead with a prefetch into L2 (T1). A non-temporal hint (NTA) was
+   used before: against no prefetch it made plain decoding 1.13x / 1.10x faster at 1 / 2 threads
+   (twenty-third session), but with several rows of x (a verification) each weight line is used for
+   longer and the non-temporal lines were evicted before use: a 4-token verification cost ~1.25x a
+   plain step. With T1, in one interleaved run on the 2-core EPYC (twenty-fifth session), plain
+   decoding was as fast or faster (9 of 10 paired runs) and speculative decoding (default head,
+   tree@2/4) 1.11x / 1.25x faster at 2 / 1 threads; a 4-token verification ~1.05x a plain step. */
 #define SF_PF 4096
+#define SF_PF_HINT _MM_HINT_T1
 #include <stdint.h>
 
 static inline uint16_t to_bf16(float f) {  /* round to nearest even (finite values) */
@@ -119,8 +123,8 @@ static void rows##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
         int i = 0;                                                                                 \
         for (; i + 64 <= body; i += 64) {                                                          \
             if (!keep) {                                                                           \
-                _mm_prefetch((const char *)(wr + i + SF_PF), _MM_HINT_NTA);                        \
-                _mm_prefetch((const char *)(wr + i + SF_PF + 32), _MM_HINT_NTA);                   \
+                _mm_prefetch((const char *)(wr + i + SF_PF), SF_PF_HINT);                       \
+                _mm_prefetch((const char *)(wr + i + SF_PF + 32), SF_PF_HINT);                  \
             }                                                                                      \
             __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + i);                                   \
             __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + i + 32);                              \
@@ -154,8 +158,8 @@ typedef void (*rows_fn)(const uint16_t *, const uint16_t *, const uint16_t *, ui
 static const rows_fn ROWS_FN[9] = {0, rows1, rows2, rows3, rows4, rows5, rows6, rows7, rows8};
 
 /* outputs in chunks of 32 per thread task; within a chunk every 8 rows of x in turn. keep: weights
-   read again soon (a speculator head's, every step): plain loads, no non-temporal prefetch, so they
-   stay in L3 across the target's streamed weights */
+   read again soon (a speculator head's, every step): plain loads, no prefetch ahead (they are
+   read from the caches, not streamed) */
 void sf_gemv_dpbf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int n, int in, int out,
                     int keep) {
     _Pragma("omp parallel for schedule(static)")
@@ -194,7 +198,7 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, k
     """``F.linear(x, w, b)`` for bf16 ``x`` ``[..., in]`` and bf16 ``w`` with the AVX-512 BF16 kernel:
     fp32 sums (bias added before the one rounding to bf16), any row count (8 at a time over each
     block of weight rows, read from memory once). ``keep``: ``w`` is read again every step (a
-    speculator head's): plain loads instead of the non-temporal prefetch, so it stays in L3."""
+    speculator head's): plain loads, no prefetch ahead (it is read from the caches, not streamed)."""
     lib = _load_bf16()[0]
     if lib is None:
         raise RuntimeError(f"the avx512bf16 kernel is unavailable: {bf16_unavailable_reason()}")
