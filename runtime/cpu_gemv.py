@@ -22,9 +22,8 @@ inputs (``vdpbf16ps``) and no widening, one weight row at a time against up to 8
 hidden; several weight rows per pass measured slower), and rounds the outputs to bf16 itself. On a
 2-core AMD EPYC with avx512_bf16 (docs/results.md, twenty-second session) it streams SmolLM2-135M's
 matrices at 1 row in 7.4-8.2 ms at 1 thread against oneDNN's 9.9-10.9. It prefetches the weights
-ahead into L2 (1.10-1.20x per decode step on a Zen 5 EPYC with a non-temporal hint, twenty-third
-session; the L2 hint since the twenty-fifth: as fast for one row, 1.1-1.25x faster speculative
-decoding, where several rows use each line for longer). Numerics: each output is one
+ahead into L2 (a non-temporal hint until the twenty-fifth session lost the prefetched lines in
+several-row steps; see the kernel's comment). Numerics: each output is one
 thread's fp32 sum in a fixed order whatever the row count and thread count, as above; the inputs
 are the activations' bf16 values as they are (ATen's bf16 products take the same inputs).
 
@@ -85,13 +84,14 @@ GEMV(sf_gemv_f32, float, ld_f32)
 # rows read from memory once for all of them (they stay in L1 across the chunks of 8 rows).
 _SOURCE_BF16 = r"""
 #include <immintrin.h>
-/* weights are read 4096 elements ahead with a prefetch into L2 (T1). A non-temporal hint (NTA) was
-   used before: against no prefetch it made plain decoding 1.13x / 1.10x faster at 1 / 2 threads
-   (twenty-third session), but with several rows of x (a verification) each weight line is used for
-   longer and the non-temporal lines were evicted before use: a 4-token verification cost ~1.25x a
-   plain step. With T1, in one interleaved run on the 2-core EPYC (twenty-fifth session), plain
-   decoding was as fast or faster (9 of 10 paired runs) and speculative decoding (default head,
-   tree@2/4) 1.11x / 1.25x faster at 2 / 1 threads; a 4-token verification ~1.05x a plain step. */
+/* weights are read 4096 elements ahead with a prefetch into L2 (T1), so streaming ~270 MB of them
+   overlaps the products. A non-temporal hint (NTA) was used before (1.10-1.20x per decode step
+   against no prefetch, twenty-third session), but with several rows of x (a verification, a batch)
+   each weight line is used for longer and the non-temporal lines were evicted before use: a
+   4-token verification cost 1.14-1.28x a plain step, with T1 0.94-1.05x. Plain decoding with T1:
+   as fast at 2 threads, ~6% faster at 1 (paired runs); the default head's tree@2/4 on Spec-Bench
+   1.27x / 1.45x plain at 2 / 1 threads where NTA gave 1.15x / 1.12x (docs/results.md,
+   twenty-fifth session). */
 #define SF_PF 4096
 #define SF_PF_HINT _MM_HINT_T1
 #include <stdint.h>
