@@ -234,7 +234,7 @@ class SpeculativeGenerator:
             (min(int(drafter.default_nodes), MAX_DRAFT_NODES) if drafter else 1)
         self.adaptive = adaptive
         self._control: AdaptiveController | None = None
-        self._lock = _lock_for(target)  # the wrapped target's own: generators sharing it share the lock
+        self._lock = _lock_for(target)  # the target's own, not the CUDA-graph wrapper's: shared by its generators
 
     @contextlib.contextmanager
     def _exclusive(self):

@@ -22,7 +22,7 @@ QUERY_BUCKET = 16
 #: an execution graph per new shape, and a decode or verification step sees a new key length every
 #: step. On an H200 (torch 2.11) eager steps cost ~48 ms the first time a length was seen and ~12 ms
 #: after (docs/results.md, twenty-fifth session); cuDNN's per-shape graphs are the suspected cause,
-#: which tools/gpu_run.py's ``sdpa_shapes`` measures on the next GPU lent (not confirmed yet).
+#: which tools/gpu_run.py's ``sdpa_new_lengths`` measures on the next GPU lent (not confirmed yet).
 CUDA_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
