@@ -244,7 +244,7 @@ class PreparedLinears:
         """``cat([lin(x) for lin in lins], -1)`` as one product over the concatenated weights."""
         kernel = kernel_for(self.kernels, x.numel() // x.shape[-1])
         hit = self._entry(lins, kernel)
-        if kernel == "avx512bf16":  # a head's weights, read every step: kept in L3 (cpu_gemv.gemv_bf16)
+        if kernel == "avx512bf16":  # a head's weights, read every step from the caches: no prefetch ahead
             return _avx512bf16(x, hit[0], hit[2], keep=True)
         return KERNELS[kernel][1](x, hit[0], hit[2])
 

@@ -253,11 +253,7 @@ class EagleDrafter(Drafter):
         front_score = torch.zeros(1, dtype=work, device=dev)
         front_rows = torch.zeros(1, 0, dtype=torch.bool, device=dev)
         for d in range(1, depth + 1):
-            logits = head.compute_logits(front_h)
-            # the C tree's own log-probabilities where it runs (the two searches draft the same trees)
-            logp = cpu_layers.log_softmax(logits) if work == torch.float32 else None
-            logp = torch.log_softmax(logits.to(work), dim=-1) if logp is None else logp
-            top_v, top_i = topk_first(logp, k)  # [m, k]
+            top_v, top_i = topk_first(tree_log_probs(head.compute_logits(front_h), work), k)  # [m, k]
             child_tok = top_i if d2t is None else d2t[top_i]
             child_score = (front_score[:, None] + top_v).reshape(-1)
             m = front_idx.shape[0]
@@ -348,6 +344,14 @@ class EagleDrafter(Drafter):
         keep = torch.arange(tok.shape[0], device=dev)
         q_all = self._target_vocab(torch.cat(qs))
         return subtree(root, tok, torch.cat(parents), keep, q_all)
+
+
+def tree_log_probs(logits: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+    """Log-probabilities ``[..., Vd]`` (in ``work``) a greedy tree search ranks its candidates by: the
+    C log-softmax of bf16 logits where it runs (what ``cpu_layers.eagle3_draft`` ranks by, so every
+    search keeps the same nodes), else ``torch.log_softmax``."""
+    logp = cpu_layers.log_softmax(logits) if work == torch.float32 else None
+    return torch.log_softmax(logits.to(work), dim=-1) if logp is None else logp
 
 
 def topk_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

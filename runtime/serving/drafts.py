@@ -35,9 +35,8 @@ import time
 
 import torch
 
-from .. import cpu_layers
 from ..sampling import SamplingParams, probs_from_logits, sample
-from ..drafters.eagle import subtree, topk_first
+from ..drafters.eagle import subtree, topk_first, tree_log_probs
 from ..tree import Draft
 
 __all__ = ["LONG_QUEUE", "SlotDrafts"]
@@ -224,10 +223,8 @@ class SlotDrafts:
         n_nodes, written = 1, 0
         for d in range(1, depth + 1):
             m = front_h.shape[1]
-            logits = head.compute_logits(front_h.reshape(R * m, -1))
             # ranked as the per-request search ranks (its C log-probabilities, ties by index)
-            logp = cpu_layers.log_softmax(logits) if work == torch.float32 else None
-            logp = torch.log_softmax(logits.to(work), dim=-1) if logp is None else logp
+            logp = tree_log_probs(head.compute_logits(front_h.reshape(R * m, -1)), work)
             top_v, top_i = topk_first(logp.view(R, m, -1), k)  # [R, m, k]
             child_tok = (top_i if d2t is None else d2t[top_i]).reshape(R, m * k)
             child_score = (front_score[:, :, None] + top_v).reshape(R, m * k)
