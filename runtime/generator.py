@@ -220,6 +220,10 @@ class SpeculativeGenerator:
                              f"got {type(drafter).__name__} {drafter!r:.60}")
         if drafter is not None:
             _check_drafter_fits(drafter, target)
+            if callable(getattr(drafter, "use_cuda_graphs", None)):  # a head drafts graphed beside a graphed target
+                from .cuda_graph import GraphedTarget  # (wrapped here or by the caller)
+
+                drafter.use_cuda_graphs(isinstance(self.target, GraphedTarget))
         if max_depth is not None:
             check_int("max_depth", max_depth, 1, MAX_DRAFT_DEPTH)  # 0 or less: pass speculate=False instead
         if max_nodes is not None:

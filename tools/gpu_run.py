@@ -265,7 +265,7 @@ class Run:
     def _drafter_source(self):
         return self.state.get("speculator") or self.args.drafter
 
-    def _decode(self, backend: str, graphs: bool = False):
+    def _decode(self, backend: str, graphs: bool = False, options: dict | None = None):
         import torch
 
         from specfoundry.runtime import SpeculativeGenerator, load_drafter, load_target
@@ -280,9 +280,10 @@ class Run:
 
             spec_target = GraphedTarget(target)
         source = self._drafter_source()
-        drafter = load_drafter(source, target=target)
-        # the generator graphs CUDA engine targets itself; the eager section keeps them eager
-        gen = SpeculativeGenerator(spec_target, drafter, cuda_graphs=None if graphs else False)
+        drafter = load_drafter(source, target=target, **(options or {}))
+        # the generator graphs CUDA engine targets itself (and a head's drafting); the eager section keeps them eager
+        gen = SpeculativeGenerator(spec_target, drafter, cuda_graphs=None if graphs else False,
+                                   **({"adaptive": False} if options else {}))
         n_tok = self.args.max_new_tokens
         gen.generate(prompt=PROMPTS[0], max_new_tokens=16, speculate=False)  # warm-up (kernels, graphs)
         gen.generate(prompt=PROMPTS[0], max_new_tokens=16)
@@ -293,6 +294,7 @@ class Run:
         # prompts (every length seen) and gives the speed-up.
         secs = {"cold": [0.0, 0.0], "warm": [0.0, 0.0]}  # plain, speculative
         rows, plain_n, spec_n, same, lossless, taus = [], 0, 0, 0, 0, []
+        split = [0.0, 0.0, 0.0, 0]  # warm speculative runs: draft s, verify s, decode s, steps
         for rnd in ("cold", "warm"):
             for i, p in enumerate(PROMPTS[: self.args.prompts]):
                 res = {}
@@ -305,6 +307,11 @@ class Run:
                 secs[rnd][1] += b.stats.seconds
                 if rnd == "cold":
                     continue
+                st = b.stats
+                split[0] += st.draft_seconds
+                split[1] += st.verify_seconds
+                split[2] += st.seconds - st.prefill_seconds
+                split[3] += st.speculative_steps + st.plain_steps
                 plain_n += len(a.token_ids)
                 spec_n += len(b.token_ids)
                 same += a.token_ids == b.token_ids
@@ -323,10 +330,17 @@ class Run:
                "spec_tok_s": round(spec_n / spec_s, 1), "speedup": round((spec_n / spec_s) / (plain_n / plain_s), 3),
                "identical": f"{same}/{len(rows)}", "lossless": f"{lossless}/{len(rows)}",
                "cold_round_s": {"plain": round(secs["cold"][0], 2), "speculative": round(secs["cold"][1], 2)},
+               # per speculative step (the generator's clocks: draft, verify, the rest of the step)
+               "step_ms": {k: round(1e3 * v / max(split[3], 1), 3) for k, v in
+                           (("draft", split[0]), ("verify", split[1]), ("overhead", split[2] - split[0] - split[1]))},
+               "plain_step_ms": round(1e3 * plain_s / max(plain_n, 1), 3),
+               "head_graphs": getattr(getattr(drafter, "_graphed", None), "captures", None),
                "per_prompt": rows}
         if not graphs and dev == "cuda":
             out["sdpa_new_length_ms"] = sdpa_new_lengths("cuda", self.dtype)
-        if graphs and dev == "cuda":
+        if options:
+            out["drafter_options"] = options
+        if graphs and dev == "cuda" and not options:
             from specfoundry.runtime.cuda_graph import measure
 
             out["graph_steps_ms"] = measure(self.args.target, past=256, reps=10,
@@ -340,7 +354,17 @@ class Run:
         return self._decode("engine")
 
     def decode_graphs(self):
-        return self._decode("engine", graphs=True)
+        out = self._decode("engine", graphs=True)
+        # the checkpoint's shape was measured on a CPU, where verification is compute-bound; on a GPU
+        # verifying 16-64 tokens costs ~1.3x one (tree_attention): EAGLE-2's own wide tree and a chain
+        for name, opts in (("eagle2_tree", dict(tree="dynamic", depth=5, top_k=8, total_tokens=32)),
+                           ("chain4", dict(tree="chain", depth=4))):
+            if self.left() < 30 or not str(self._drafter_source()).strip() or self._drafter_source() == "ngram":
+                out[name] = "skipped: time budget or no head"
+                continue
+            wide = self._decode("engine", graphs=True, options=opts)
+            out[name] = {k: v for k, v in wide.items() if k != "per_prompt"}
+        return out
 
     def tree_attention(self):
         self.need_cuda()

@@ -43,6 +43,7 @@ import torch
 
 from .. import cpu_layers
 from ..adaptive import MAX_DRAFT_DEPTH, MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, check_int
+from ..cuda_graph import bucket_for
 from ..sampling import probs_from_logits, sample
 from ..speculators import Eagle3Head, EagleHead, load_speculator, read_config
 from ..speculators.checkpoint import DRAFT_SHAPE_KEYS, default_draft_shape
@@ -83,12 +84,38 @@ class EagleDrafter(Drafter):
         self._queue_ids: list[torch.Tensor] = []  # next tokens of pairs not yet run
         self._queue_features: list[torch.Tensor] = []  # the target's features of those pairs
         self._root_hidden: torch.Tensor | None = None  # head output for the root's pair [1, H]
+        self._graphs: bool | None = None  # use_cuda_graphs: None off, else the capture flag
+        self._graphed = None  # its GraphedEagleDraft, made by begin()
+
+    def use_cuda_graphs(self, on: bool, capture: bool | None = None) -> None:
+        """Greedy proposals through :class:`~specfoundry.runtime.cuda_graph_draft.GraphedEagleDraft`
+        (heads with an in-place step; captured where the head is on CUDA, or with ``capture``
+        False the same static functions run eagerly, which CPU tests use). Off: the eager path."""
+        on = bool(on) and self._static and (capture is False or self.head.device.type == "cuda")
+        self._graphs = (capture if capture is not None else True) if on else None
+        if not on:
+            self._graphed = None
+
+    def fork(self) -> "EagleDrafter":
+        twin = super().fork()
+        twin.cache, twin._graphed = None, None  # its own cache (and graphs over it), never this one's
+        return twin
 
     # -- protocol ------------------------------------------------------------------------
     def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
         if prompt_ids.shape[0] != 1:
             raise ValueError(f"the {self.type} drafter serves one sequence (batch size 1)")
-        self.cache = self.head.new_cache(capacity=2 * prompt_ids.shape[1] + 256) if self._static else KVCache()
+        need = 2 * prompt_ids.shape[1] + 256
+        if self._graphs is not None and self.cache is not None and self.cache.capacity >= need:
+            self.cache.crop(0)  # graphed: one cache across requests, so the graphs are captured once
+        else:
+            self.cache = self.head.new_cache(capacity=need) if self._static else KVCache()
+        if self._graphs is not None:
+            from ..cuda_graph_draft import GraphedEagleDraft
+
+            if self._graphed is None:
+                self._graphed = GraphedEagleDraft(self, self.cache, capture=self._graphs)
+            self._graphed.ensure(self.cache, 0)
         self._queue_ids, self._queue_features = [], []
         self._root_hidden = None
         self._num_tokens = prompt_ids.shape[1]
@@ -116,6 +143,9 @@ class EagleDrafter(Drafter):
         plain_q = sp.greedy or ((sp.top_k is None or sp.top_k >= self.head.draft_vocab_size)
                                 and (sp.top_p is None or sp.top_p >= 1.0))
         # a greedy tree in the same call where its top-k fits the C step (budget >= 1 and depth >= 1)
+        if self._graphed is not None and sp.greedy and depth >= 1 and budget >= 1 \
+                and (self._queue_ids or self._root_hidden is not None):
+            return self._propose_graphed(root, depth, 1 if chain else self.top_k, depth if chain else budget)
         tree = not chain and sp.greedy and self._static and 1 <= depth and 1 <= budget and self.top_k <= MAX_C_TOP_K
         drafted = self._run_queue(depth if (chain and plain_q) or tree else 0, ctx, self.top_k if tree else 0,
                                   budget if tree else 0)
@@ -137,6 +167,29 @@ class EagleDrafter(Drafter):
             return self._grow_sampling(root, depth, budget, ctx)
         finally:
             self.cache.crop(base)  # drop every draft entry: the cache holds committed pairs only
+
+    def _propose_graphed(self, root: torch.Tensor, depth: int, top_k: int, budget: int) -> Draft:
+        """A greedy chain or tree from the static-shape drafting (see :meth:`use_cuda_graphs`): the
+        queued pairs run in a bucket of at most ``QUEUE_BUCKETS[-1]`` rows (more, the prompt's:
+        the eager step), then the draft."""
+        g = self._graphed
+        ids = torch.cat(self._queue_ids, dim=1) if self._queue_ids else None
+        features = torch.cat(self._queue_features, dim=1) if self._queue_ids else None
+        self._queue_ids, self._queue_features = [], []
+        drafts = depth * top_k  # more than a chain or a tree of this shape writes
+        m = 0 if ids is None else ids.shape[1]
+        if 0 < m <= g.queue_buckets[-1]:
+            g.ensure(self.cache, bucket_for(m, g.queue_buckets) + drafts)
+            g.run_queue(ids, features)
+        else:
+            if m:  # the prompt's pairs: one eager step
+                out = self.head.step(ids, self.head.fuse_features(features), self.cache)
+                self.cache.commit()
+                self._root_hidden = out[:, -1]
+            g.ensure(self.cache, drafts)
+            g.set_root(self._root_hidden)
+        self._root_hidden = g.root
+        return g.propose(root, depth, top_k, budget)
 
     # -- committed pairs -----------------------------------------------------------------
     def _enqueue(self, next_ids: torch.Tensor, features: torch.Tensor | None) -> None:

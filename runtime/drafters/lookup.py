@@ -71,6 +71,12 @@ class LookupFirstDrafter(Drafter):
         twin.inner, twin.lookup = self.inner.fork(), self.lookup.fork()
         return twin
 
+    def use_cuda_graphs(self, on: bool, capture: bool | None = None) -> None:
+        """``inner``'s static-shape drafting where it has one (the lookup chain needs no model)."""
+        inner = getattr(self.inner, "use_cuda_graphs", None)
+        if callable(inner):
+            inner(on, capture)
+
     def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor | None) -> None:
         self._missed_at = -1
         self.lookup.begin(prompt_ids)

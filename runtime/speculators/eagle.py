@@ -356,11 +356,13 @@ class _EagleBase(nn.Module):
         return self._layer_step(input_ids, hidden, write if position_ids is None else position_ids.to(dev), attention)
 
     def _layer_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                    attention) -> torch.Tensor:
+                    attention, rope=None) -> torch.Tensor:
         """The decoder layer over pairs ``(hidden, input_ids)`` ``[B, n]`` at ``position_ids``;
         ``attention(q, k, v)`` (RoPE applied, ``[B, n, heads, D]``) stores K/V wherever its cache
-        keeps them and returns ``[B, n, hq*D]``: the one place :meth:`step` and :meth:`step_rows`
-        differ."""
+        keeps them and returns ``[B, n, hq*D]``: the one place :meth:`step`, :meth:`step_rows` and
+        the CUDA-graphed drafting (:mod:`~specfoundry.runtime.cuda_graph_draft`) differ. ``rope``:
+        ``positions -> (cos, sin)`` ``[B, n, 1, D]`` (default: the head's growing table, which reads
+        the largest position on the host)."""
         B, n = input_ids.shape
         dev, dt = self.device, self.dtype
         hidden = hidden.to(dev, dt)
@@ -372,7 +374,7 @@ class _EagleBase(nn.Module):
         q = q.reshape(B, n, a["num_attention_heads"], a["head_dim"])
         k = k.reshape(B, n, a["num_key_value_heads"], a["head_dim"])
         v = v.reshape(B, n, a["num_key_value_heads"], a["head_dim"])
-        cos, sin = self._rope(position_ids.to(dev), hidden)
+        cos, sin = self._rope(position_ids.to(dev), hidden) if rope is None else rope(position_ids)
         o = attention(rotate(q, cos, sin), rotate(k, cos, sin), v)
         h = residual + lin(attn.o_proj, o)
         mlp, x = layer.mlp, self._norm(layer.post_attention_layernorm, h)
