@@ -163,7 +163,7 @@ def test_fused_eagle3_drafting_equals_the_step_by_step_drafting(monkeypatch, cas
     from specfoundry.runtime.speculators.eagle import Eagle3Head
 
     target = _target(init_std=0.5)
-    trees = {"tree": {"tree": "dynamic", "top_k": 2, "total_tokens": 6}, "tree T=1": {"tree": "dynamic", "top_k": 2, "total_tokens": 6},
+    trees = {"tree": {"tree": "dynamic", "top_k": 2, "total_tokens": 6}, "tree T=1": {"tree": "dynamic", "top_k": 2, "total_tokens": 6, "sampled_trees": True},
              "wide tree": {"tree": "dynamic", "top_k": 5, "total_tokens": 12, "depth": 4},
              "deep tree": {"tree": "dynamic", "top_k": 8, "total_tokens": 40, "depth": 5}}
     drafter = _eagle3_chain(target, **trees.get(case, {}))

@@ -85,7 +85,8 @@ def _cases(target):
         ("plain T=0.9 top-p 0.9", None, {}, SamplingParams(0.9, top_p=0.9)),
     ]
     if "eagle3" in available_drafters():
-        cases.append(("eagle3 dynamic tree T=1", load_drafter("eagle3", target=target, top_k=2, depth=2),
+        cases.append(("eagle3 dynamic tree T=1", load_drafter("eagle3", target=target, top_k=2, depth=2,
+                                                                  sampled_trees=True),
                       dict(max_depth=2, max_nodes=7), SamplingParams(1.0)))
         # one-hot lookup chains when the last token occurred before, sampled head chains otherwise
         from specfoundry.runtime.drafters.lookup import LookupFirstDrafter
@@ -97,14 +98,14 @@ def _cases(target):
         from specfoundry.runtime.adaptive import tree_options
 
         cases.append(("eagle3 small tree, lookup first T=1",
-                      LookupFirstDrafter(load_drafter("eagle3", target=target, **tree_options(2, 4)), min_match=1,
+                      LookupFirstDrafter(load_drafter("eagle3", target=target, **tree_options(2, 4), sampled_trees=True), min_match=1,
                                          lookup_depth=2), dict(max_depth=2, max_nodes=4), SamplingParams(1.0)))
         # a reduced, permuted draft vocabulary: drafts are drawn over it and q mapped into the target's
         from specfoundry.runtime.drafters.eagle import Eagle3Drafter
         from specfoundry.runtime.speculators import Eagle3Head
 
         head = Eagle3Head.from_target(target, draft_token_ids=[4, 1, 3])
-        cases.append(("eagle3 reduced vocab T=1", Eagle3Drafter(head, top_k=2, depth=2),
+        cases.append(("eagle3 reduced vocab T=1", Eagle3Drafter(head, top_k=2, depth=2, sampled_trees=True),
                       dict(max_depth=2, max_nodes=6), SamplingParams(1.0)))
         # the chain fast path (one draw per depth, no tree search) over the reduced vocabulary
         cases.append(("eagle3 chain reduced vocab T=0.8 top-p 0.9", Eagle3Drafter(head, tree="chain", depth=2),
@@ -165,3 +166,28 @@ def test_distribution_test_has_power(small_target, monkeypatch):
     counts = sampled_counts(gen, params, 600)
     p_value, tv = goodness_of_fit(exact, counts, 600)
     assert p_value < 1e-6 and tv > 0.1, (p_value, tv)
+
+
+def test_sampling_requests_draft_chains_unless_sampled_trees(small_target):
+    """A tree-shaped EAGLE drafter drafts a chain of the tree's depth for a sampling request (a
+    sampled tree drafts and verifies in Python: slower than plain decoding on the CPU), a tree for
+    a greedy one; ``sampled_trees=True`` keeps the sampled tree (the distribution test above)."""
+    from specfoundry.runtime.drafters.base import DraftContext
+
+    if "eagle3" not in available_drafters():
+        pytest.skip("no eagle3 drafter")
+    prompt = torch.tensor([[1, 2, 3, 4, 0]])
+    shapes = {}
+    for sampled_trees in (False, True):
+        d = load_drafter("eagle3", target=small_target, top_k=3, depth=3, total_tokens=8, sampled_trees=sampled_trees)
+        cache = small_target.new_cache(capacity=64)
+        out = small_target.forward(prompt[:, :-1], cache, feature_layers=d.feature_layers)
+        d.begin(prompt, out.features)
+        for T in (0.0, 1.0):
+            draft = d.propose(DraftContext(prompt, SamplingParams(T), 3, 8, torch.Generator().manual_seed(0)))
+            shapes[sampled_trees, T] = draft.parents[0].tolist()
+    assert shapes[False, 1.0] == [-1, 0, 1, 2]  # a chain of depth 3
+    assert len(shapes[False, 0.0]) == 8 and shapes[False, 0.0] == shapes[True, 0.0]  # greedy: the tree
+    assert len(shapes[True, 1.0]) == 8 and shapes[True, 1.0] != [-1, 0, 1, 2, 3, 4, 5, 6]
+    with pytest.raises(ValueError, match="sampled_trees"):
+        load_drafter("eagle3", target=small_target, sampled_trees="yes")
