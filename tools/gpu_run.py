@@ -251,9 +251,12 @@ class Run:
             cmd += ["--set", f"{k}={v}"]
         env = {**os.environ, "WANDB_MODE": "offline"}
         log = self.out / "train.log"
+        # leave ~150 s for the decode sections that follow, when they were asked for
+        later = {"decode_hf", "decode_engine", "decode_graphs", "tree_attention", "tensorrt"}
+        reserve = 150.0 if later & {s.strip() for s in self.args.sections.split(",")} else 10.0
         with open(log, "w") as f:
             proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=max(60.0, min(300.0, self.left() - 150)))
+                                  timeout=max(60.0, min(300.0, self.left() - reserve)))
         if proc.returncode != 0:
             tail = log.read_text()[-1500:]
             raise RuntimeError(f"specfoundry train exited {proc.returncode}; log {log}: ...{tail}")

