@@ -164,7 +164,7 @@ def sample_batch(logits: torch.Tensor, params: SamplingParams, generator: torch.
     # nucleus sampling from each row's top candidates, without a full-vocabulary sort
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     for rows, keep, index in _nucleus_parts(probs, top_p):
-        u = None if uniforms is None else uniforms[rows]
+        u = None if uniforms is None else uniforms[rows.to(uniforms.device)]  # rows on the logits device (CUDA)
         out[rows] = index.gather(-1, _inverse_cdf(keep, generator, u)[:, None]).squeeze(-1)
     return out
 
