@@ -96,3 +96,17 @@ def test_sample_draws_each_row_by_its_distribution():
     for bad in (torch.zeros(1, 5), torch.tensor([[0.5, float("nan"), 0.5]])):
         with pytest.raises(ValueError, match="positive, finite"):
             sample(bad, g)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)")
+def test_sample_batch_on_cuda_with_host_uniforms():
+    """Training's data stage draws with per-row uniforms kept on the CPU while the logits are on
+    CUDA; nucleus sampling indexed those uniforms with CUDA row indices (failed on an H200)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g)
+    u = torch.rand(6, generator=g, dtype=torch.float64)
+    params = SamplingParams(0.8, top_p=0.9)
+    want = sample_batch(logits, params, None, u)
+    got = sample_batch(logits.cuda(), params, None, u)
+    assert got.device.type == "cuda" and got.cpu().tolist() == want.tolist()
