@@ -26,7 +26,8 @@ import torch
 
 from .cuda_graph import bucket_for
 from .kvcache import StaticKVCache, grouped_attention
-from .tree import Draft
+from .sampling import tree_log_probs
+from .tree import Draft, subtree
 
 __all__ = ["QUEUE_BUCKETS", "GraphedEagleDraft", "stable_topk"]
 
@@ -152,8 +153,6 @@ class GraphedEagleDraft:
         """EAGLE-2's greedy tree (:meth:`EagleDrafter._grow_greedy`, same ranking and ties): the
         candidates' target ids and parents (1-based, 0 = root) ``[M]`` and the kept candidates
         ``[budget]`` (sorted)."""
-        from .drafters.eagle import tree_log_probs
-
         head, k = self.head, top_k
         d2t = head.draft_to_target
         dev = self.root.device
@@ -260,7 +259,5 @@ class GraphedEagleDraft:
         if top_k == 1 and budget == depth:
             drafts = self._run(("chain", depth), lambda: self.static_chain(depth))
             return Draft.chain(root.view(1).to(drafts.device), drafts.clone().view(1, depth), None)
-        from .drafters.eagle import subtree
-
         tok, par, keep = self._run(("tree", depth, top_k, budget), lambda: self.static_tree(depth, top_k, budget))
         return subtree(root, tok, par, keep, None)

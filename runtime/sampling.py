@@ -181,3 +181,11 @@ def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None,
     else:
         u = uniforms.to(weights.device, cdf.dtype).view(-1, 1)
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=weights.shape[-1] - 1).squeeze(-1)
+
+
+def tree_log_probs(logits: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+    """Log-probabilities ``[..., Vd]`` (in ``work``) a greedy tree search ranks its candidates by: the
+    C log-softmax of bf16 logits where it runs (what ``cpu_layers.eagle3_draft`` ranks by, so every
+    search keeps the same nodes), else ``torch.log_softmax``."""
+    logp = cpu_layers.log_softmax(logits) if work == torch.float32 else None
+    return torch.log_softmax(logits.to(work), dim=-1) if logp is None else logp

@@ -150,3 +150,23 @@ def tree_from_choices(choices: list[list[int]]) -> tuple[torch.Tensor, list[list
     index = {p: i + 1 for i, p in enumerate(ordered)}
     parents = [-1] + [index[p[:-1]] if len(p) > 1 else 0 for p in ordered]
     return torch.tensor(parents, dtype=torch.long), [list(p) for p in ordered]
+
+
+def subtree(root: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, keep: torch.Tensor,
+             q: torch.Tensor | None) -> Draft:
+    """Assemble a Draft from candidate nodes ``1..M`` (``tok``/``par`` ``[M]``, parent ids in
+    1-based node numbering with 0 = root) keeping ``keep`` (0-based candidate indices, sorted,
+    ancestor-closed)."""
+    dev = tok.device
+    M = tok.shape[0]
+    new_id = torch.full((M + 1,), -1, dtype=torch.long, device=dev)
+    new_id[0] = 0
+    new_id[keep + 1] = torch.arange(1, keep.shape[0] + 1, device=dev)
+    new_par = new_id[par[keep]]
+    if bool((new_par < 0).any()):
+        raise AssertionError("draft tree selection is not closed under ancestors")
+    tokens = torch.cat([root.view(1).to(dev), tok[keep]]).view(1, -1)
+    parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=dev), new_par]).view(1, -1)
+    if q is not None:
+        q = torch.cat([q.new_zeros(1, q.shape[-1]), q[keep]]).unsqueeze(0)
+    return Draft(tokens, parents, q)

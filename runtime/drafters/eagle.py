@@ -49,11 +49,11 @@ import torch
 from .. import cpu_layers
 from ..adaptive import MAX_DRAFT_DEPTH, MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, check_int
 from ..cuda_graph import bucket_for
-from ..sampling import probs_from_logits, sample
+from ..sampling import probs_from_logits, sample, tree_log_probs
 from ..speculators import Eagle3Head, EagleHead, load_speculator, read_config
 from ..speculators.checkpoint import DRAFT_SHAPE_KEYS, default_draft_shape
 from ..target import KVCache
-from ..tree import Draft
+from ..tree import Draft, subtree
 from .base import DraftContext, Drafter, register_drafter
 
 __all__ = ["EagleDrafter", "Eagle3Drafter"]
@@ -410,14 +410,6 @@ class EagleDrafter(Drafter):
         return subtree(root, tok, torch.cat(parents), keep, q_all)
 
 
-def tree_log_probs(logits: torch.Tensor, work: torch.dtype) -> torch.Tensor:
-    """Log-probabilities ``[..., Vd]`` (in ``work``) a greedy tree search ranks its candidates by: the
-    C log-softmax of bf16 logits where it runs (what ``cpu_layers.eagle3_draft`` ranks by, so every
-    search keeps the same nodes), else ``torch.log_softmax``."""
-    logp = cpu_layers.log_softmax(logits) if work == torch.float32 else None
-    return torch.log_softmax(logits.to(work), dim=-1) if logp is None else logp
-
-
 def topk_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x.topk(k)`` (values, indices; largest first) with equal values in index order, which
     ``torch.topk`` leaves open: the tree search ranks bf16-derived scores, where ties are common,
@@ -431,26 +423,6 @@ def topk_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     vals = vals.gather(-1, o)
     o = torch.sort(vals, dim=-1, descending=True, stable=True).indices
     return vals.gather(-1, o), idx.gather(-1, o)
-
-
-def subtree(root: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, keep: torch.Tensor,
-             q: torch.Tensor | None) -> Draft:
-    """Assemble a Draft from candidate nodes ``1..M`` (``tok``/``par`` ``[M]``, parent ids in
-    1-based node numbering with 0 = root) keeping ``keep`` (0-based candidate indices, sorted,
-    ancestor-closed)."""
-    dev = tok.device
-    M = tok.shape[0]
-    new_id = torch.full((M + 1,), -1, dtype=torch.long, device=dev)
-    new_id[0] = 0
-    new_id[keep + 1] = torch.arange(1, keep.shape[0] + 1, device=dev)
-    new_par = new_id[par[keep]]
-    if bool((new_par < 0).any()):
-        raise AssertionError("draft tree selection is not closed under ancestors")
-    tokens = torch.cat([root.view(1).to(dev), tok[keep]]).view(1, -1)
-    parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=dev), new_par]).view(1, -1)
-    if q is not None:
-        q = torch.cat([q.new_zeros(1, q.shape[-1]), q[keep]]).unsqueeze(0)
-    return Draft(tokens, parents, q)
 
 
 def _make(drafter_cls, source, target, architecture: dict | None = None, seed: int | None = 0, **options):

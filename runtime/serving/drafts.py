@@ -35,9 +35,9 @@ import time
 
 import torch
 
-from ..sampling import SamplingParams, probs_from_logits, sample
-from ..drafters.eagle import subtree, topk_first, tree_log_probs
-from ..tree import Draft
+from ..sampling import SamplingParams, probs_from_logits, sample, tree_log_probs
+from ..drafters.eagle import topk_first
+from ..tree import Draft, subtree
 
 __all__ = ["LONG_QUEUE", "SlotDrafts"]
 
