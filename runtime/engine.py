@@ -99,7 +99,17 @@ class RopeTable:
 
     def __call__(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``like``: a tensor of the dtype and device the tables are for (the rotary module's input)."""
-        need = int(positions.max()) + 1
+        self._ensure(int(positions.max()) + 1, like)
+        return self._cos[positions].unsqueeze(2), self._sin[positions].unsqueeze(2)
+
+    def span(self, start: int, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[n, D]`` of the positions ``start .. start + n - 1`` (contiguous views of the tables;
+        no tensor op: a drafting step asks every step)."""
+        self._ensure(start + max(n, 1), like)
+        return self._cos[start:start + n], self._sin[start:start + n]
+
+    def _ensure(self, need: int, like: torch.Tensor) -> None:
+        """Tables covering positions ``< need`` for ``like``'s dtype and device."""
         key = (like.dtype, like.device)
         if need > self._len or key != self._key:
             size = max(need, 2 * self._len if key == self._key else 0, 1024)
@@ -107,12 +117,6 @@ class RopeTable:
             with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable outside inference mode
                 cos, sin = self.rotary(like.detach().reshape(-1)[:1].view(1, 1, 1), pos)
             self._cos, self._sin, self._len, self._key = cos[0], sin[0], size, key
-        return self._cos[positions].unsqueeze(2), self._sin[positions].unsqueeze(2)
-
-    def span(self, start: int, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[n, D]`` of the positions ``start .. start + n - 1`` (contiguous views of the tables)."""
-        self(torch.tensor([start + max(n, 1) - 1]), like)
-        return self._cos[start:start + n], self._sin[start:start + n]
 
 
 def best_seconds(fn, reps: int, device: torch.device | None = None, warm: bool = True) -> float:
