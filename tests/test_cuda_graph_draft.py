@@ -161,10 +161,13 @@ def test_forks_get_their_own_cache_and_lookup_passes_the_switch_on(target):
     d = load_drafter("eagle3", target=target, tree="chain", depth=2)
     d.use_cuda_graphs(True, capture=False)
     d.begin(torch.tensor([[1, 2, 3]]), torch.zeros(1, 2, 3, 32, dtype=target.dtype))
-    twin = d.fork()
-    assert twin.cache is None and twin._graphed is None and twin._graphs is False
+    twin = d.fork()  # a serving sequence's drafter: its own cache, eager unless switched on
+    assert twin.cache is None and twin._graphed is None and twin._graphs is None
     twin.begin(torch.tensor([[4, 5]]), torch.zeros(1, 1, 3, 32, dtype=target.dtype))
-    assert twin.cache is not d.cache and twin._graphed.cache is twin.cache and d._graphed.cache is d.cache
+    assert twin.cache is not d.cache and twin._graphed is None and d._graphed.cache is d.cache
+    twin.use_cuda_graphs(True, capture=False)
+    twin.begin(torch.tensor([[4, 5]]), torch.zeros(1, 1, 3, 32, dtype=target.dtype))
+    assert twin._graphed.cache is twin.cache is not d.cache
     wrapped = LookupFirstDrafter(load_drafter("eagle3", target=target, tree="chain", depth=2), min_match=1)
     wrapped.use_cuda_graphs(True, capture=False)
     assert wrapped.inner._graphs is False

@@ -107,7 +107,9 @@ class EagleDrafter(Drafter):
 
     def fork(self) -> "EagleDrafter":
         twin = super().fork()
-        twin.cache, twin._graphed = None, None  # its own cache (and graphs over it), never this one's
+        # its own cache, never this one's; and eager drafting: a fork serves one request, and graphs
+        # captured per request would cost more than they save (use_cuda_graphs turns them on again)
+        twin.cache, twin._graphed, twin._graphs = None, None, None
         return twin
 
     # -- protocol ------------------------------------------------------------------------
