@@ -438,6 +438,12 @@ def layer_table(layers: list[dict]) -> torch.Tensor:
     return torch.tensor([[0 if w[k] is None else w[k].data_ptr() for k in keys] for w in layers], dtype=torch.int64)
 
 
+@functools.lru_cache(maxsize=64)
+def _layer_list(want: tuple[int, ...]) -> torch.Tensor:
+    """The feature layers as the C side's int32 array (read only; made once per list)."""
+    return torch.tensor(list(want) or [-1], dtype=torch.int32)
+
+
 def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor,
                past: int, block: torch.Tensor | None, *, heads: tuple[int, int], intermediate: int, eps: float,
                scale: float, feature_layers: tuple[int, ...] = (), xin: torch.Tensor | None = None,
@@ -467,7 +473,7 @@ def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
         xin = xin.reshape(n, in_dim).contiguous()
     want = [i for i in feature_layers if 0 <= i < L]
     feats = torch.empty(n, max(len(want), 1), H, dtype=torch.bfloat16)
-    fl = torch.tensor(want or [-1], dtype=torch.int32)
+    fl = _layer_list(tuple(want))
     nqkv = (hq + 2 * hkv) * D
     wb = torch.empty(n * (max(in_dim, H) + nqkv + hq * D + H + 3 * intermediate), dtype=torch.bfloat16)
     wf = torch.empty(2 * n * hq * D, dtype=torch.float32)

@@ -35,6 +35,8 @@ module holds the weights, the kernels and the forward.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 import torch.nn.functional as F
 
@@ -46,6 +48,7 @@ __all__ = ["KERNELS", "EngineTarget", "LlamaEngine", "MaskBuffer", "PreparedLine
            "attend", "engine_support", "grouped_attention", "rms_norm", "rotate"]
 
 _MATRICES = ("wqkv", "wo", "w_gu", "w_down", "lm_head")
+_VERSION = attrgetter("_version")
 _ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
@@ -375,7 +378,7 @@ class LlamaEngine:
         if tracked is None:  # inference tensors have no counter (and stay inference tensors)
             tracked = self._tracked = [w[k] for w in self._matrix_holders() for k in _MATRICES
                                        if k in w and not w[k].is_inference()]
-        return sum(t._version for t in tracked)
+        return sum(map(_VERSION, tracked))  # the counters read in C: ~100 us -> a few per step, cold
 
     @staticmethod
     def _fused(linears, attr: str) -> torch.Tensor | None:
@@ -496,10 +499,11 @@ class LlamaEngine:
         return rms_norm(x, w, self.eps)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: StaticKVCache, position_ids: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, cache: StaticKVCache, position_ids: torch.Tensor | None = None,
                 tree_mask: torch.Tensor | None = None, feature_layers: tuple[int, ...] = (),
                 logits_for: torch.Tensor | None = None) -> TargetOutput:
-        """Same contract as :meth:`TargetModel.forward` (``position_ids`` required)."""
+        """Same contract as :meth:`TargetModel.forward` (``position_ids`` None: ``cache.length +
+        arange(n)``, read from the RoPE tables as one slice: no tensor op)."""
         cache.check_ready()
         B, n = input_ids.shape
         if B != cache.batch:
@@ -508,7 +512,11 @@ class LlamaEngine:
             cache.rebatch(B)  # an empty cache takes the batch of its first forward
         cache.reserve(n)
         past = cache.length
-        cos, sin = self.rope(position_ids.to(self.device))
+        if position_ids is None:
+            cos, sin = self._rope.span(past, n, self.embed)  # [n, D] -> [B, n, 1, D] views
+            cos, sin = cos[None, :, None].expand(B, n, 1, -1), sin[None, :, None].expand(B, n, 1, -1)
+        else:
+            cos, sin = self.rope(position_ids.to(self.device))
         kv = cache.kv
         table = self._layer_table(B, n, tree_mask, kv)
         if table is not None:
@@ -656,7 +664,4 @@ class EngineTarget(TargetModel):
                 logits_for: torch.Tensor | None = None) -> TargetOutput:
         if not isinstance(cache, StaticKVCache):
             return super().forward(input_ids, cache, position_ids, tree_mask, feature_layers, logits_for)
-        B, n = input_ids.shape
-        if position_ids is None:
-            position_ids = (cache.length + torch.arange(n, device=self.device)).expand(B, n)
         return self._engine().forward(input_ids, cache, position_ids, tree_mask, feature_layers, logits_for)

@@ -432,7 +432,9 @@ class SpeculativeGenerator:
             t1 = time.perf_counter()
             depths = tree_depths(draft.parents)
             mask = ancestor_matrix(draft.parents) if draft.num_nodes > 1 else None
-            out = target.forward(draft.tokens, cache, position_ids=cache.length + depths, tree_mask=mask,
+            # a plain step's position follows the cache (the engine slices its RoPE tables: no tensor op)
+            positions = None if mask is None else cache.length + depths
+            out = target.forward(draft.tokens, cache, position_ids=positions, tree_mask=mask,
                                  feature_layers=feature_layers)
             res = verify(draft, out.logits, sampling, gen)
             path = res.path[0]
