@@ -35,7 +35,7 @@ module holds the weights, the kernels and the forward.
 
 from __future__ import annotations
 
-from operator import attrgetter
+from operator import attrgetter, methodcaller
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,18 @@ __all__ = ["KERNELS", "EngineTarget", "LlamaEngine", "MaskBuffer", "PreparedLine
 
 _MATRICES = ("wqkv", "wo", "w_gu", "w_down", "lm_head")
 _VERSION = attrgetter("_version")
+_DATA_PTR = methodcaller("data_ptr")
+
+
+def tensors_stamp(tensors: list[torch.Tensor]) -> tuple:
+    """What identifies ``tensors`` as they are now, cheaply (a drafting step asks every step, ~0.1 ms
+    per check with one tuple per tensor on cold caches): the objects, their storage, and the sum of
+    their in-place version counters (which only grow; inference tensors have none)."""
+    try:
+        version = sum(map(_VERSION, tensors))
+    except RuntimeError:  # an inference tensor among them
+        version = sum(0 if t.is_inference() else t._version for t in tensors)
+    return tuple(map(id, tensors)), tuple(map(_DATA_PTR, tensors)), version
 _ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 

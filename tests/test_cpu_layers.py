@@ -459,3 +459,34 @@ def test_fused_drafting_grows_a_full_head_cache(monkeypatch):
     step_by_step = _drafts_and_outputs(target, drafter, prompts)
     assert fused[1] == step_by_step[1]
     assert [(t, p) for t, p, _ in fused[0]] == [(t, p) for t, p, _ in step_by_step[0]]
+
+
+def test_the_heads_prepared_weights_follow_edits_and_replacements():
+    """The drafting head's layer table and fused-draft weights are kept between steps (a cheap
+    check of the tensors' identity, storage and version counters) and remade when a weight is
+    edited in place or replaced by another tensor."""
+    head = _eagle3_chain(_target()).head
+    cache = head.new_cache(64)
+    run = head._linears
+
+    def prepared():
+        return head._layer_table(1, 2, None, cache), head._draft_weights(run)
+
+    t0, w0 = prepared()
+    assert t0 is not None and w0 is not None
+    t1, w1 = prepared()
+    assert t1 is t0 and w1["fnw"] is w0["fnw"]  # unchanged weights: the same prepared objects
+    with torch.no_grad():
+        head.layer.mlp.down_proj.weight.mul_(1.5)  # an in-place edit
+    t2, _ = prepared()
+    assert t2 is not t0
+    head.layer.self_attn.q_proj.weight = torch.nn.Parameter(head.layer.self_attn.q_proj.weight.detach().clone())
+    t3, _ = prepared()
+    assert t3 is not t2
+    with torch.no_grad():
+        head.norm.weight.add_(0.25)  # the output norm: a fused-draft weight
+    _, w4 = prepared()
+    assert w4["fnw"] is not w0["fnw"] and torch.equal(w4["onw"], head.norm.weight)
+    head.feature_norms[0].weight = torch.nn.Parameter(head.feature_norms[0].weight.detach() * 2)
+    _, w5 = prepared()
+    assert w5["fnw"] is not w4["fnw"] and torch.equal(w5["fnw"][0], head.feature_norms[0].weight)

@@ -43,7 +43,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from .. import cpu_layers
 from ..engine import (MaskBuffer, PreparedLinears, RopeTable, StaticKVCache, attend, grouped_attention, kernel_for,
-                      rms_norm, rotate)
+                      rms_norm, rotate, tensors_stamp)
 from ..kvcache import row_mask
 from ..target import additive_mask, hf_cache_kw
 from .vocab import set_draft_vocab
@@ -207,6 +207,10 @@ class _EagleBase(nn.Module):
         """Run the drafting path's linears through the engine's kernels (e.g. the target
         engine's measured choice); None = ``F.linear``. Training's :meth:`forward` is unaffected."""
         run = self.__dict__["_linears"] = PreparedLinears(kernels) if kernels else None
+        # the modules whose weights the drafting step checks are looked up again (a submodule
+        # replaced after this call is not seen until the next one; a replaced weight is)
+        self.__dict__.pop("_table_modules", None)
+        self.__dict__.pop("_draft_norms", None)
         if run is not None:  # at load, not in the first drafting steps
             attn, mlp = self.layer.self_attn, self.layer.mlp
             groups = [(attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)]
@@ -294,14 +298,19 @@ class _EagleBase(nn.Module):
         a = self.architecture
         if not cpu_layers.supports(a["hidden_size"], a["intermediate_size"], a["head_dim"], self.dtype, n):
             return None
-        attn, mlp = self.layer.self_attn, self.layer.mlp
-        lins = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        mods = self.__dict__.get("_table_modules")
+        if mods is None:  # the modules (their weights are read each step: an edit or a new tensor shows)
+            attn, mlp = self.layer.self_attn, self.layer.mlp
+            mods = self.__dict__["_table_modules"] = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
+                                                      mlp.up_proj, mlp.down_proj, self.layer.post_attention_layernorm)
+        lins = mods[:7]
         # the weights as they are now (an edited or replaced weight is re-prepared: a new table)
-        stamp = (id(run),) + tuple(run._stamp(t) for t in [m.weight for m in lins] + [self.layer.post_attention_layernorm.weight])
+        stamp = (id(run),) + tensors_stamp([m._parameters["weight"] for m in mods])
         cached = self.__dict__.get("_table")
         if cached is not None and cached[0] == stamp:
             return cached[1]
         key = "avx512bf16"
+        attn, mlp = self.layer.self_attn, self.layer.mlp
         qkv, gu = run._entry(lins[:3], key), run._entry(lins[4:6], key)
         if qkv[2] is not None or any(m.bias is not None for m in (attn.o_proj, mlp.down_proj)):
             return None
@@ -616,10 +625,13 @@ class Eagle3Head(_EagleBase):
         """:meth:`fused_draft`'s weights (see :func:`.cpu_layers.eagle3_draft`), kept while they are
         unchanged; None when they do not fit it (not bf16 on CPU, norms of different epsilons)."""
         layer = self.layer
-        norms = [*self.feature_norms, layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, self.norm]
-        emb = self.embed_tokens.weight
-        tensors = [m.weight for m in norms] + [emb, self.d2t]
-        stamp = (id(run),) + tuple(run._stamp(t) for t in tensors) + tuple(m.variance_epsilon for m in norms)
+        norms = self.__dict__.get("_draft_norms")
+        if norms is None:
+            norms = self.__dict__["_draft_norms"] = (*self.feature_norms, layer.input_layernorm, layer.hidden_norm,
+                                                     layer.post_attention_layernorm, self.norm)
+        emb = self.embed_tokens._parameters["weight"]
+        tensors = [m._parameters["weight"] for m in norms] + [emb, self._buffers["d2t"]]
+        stamp = (id(run),) + tensors_stamp(tensors) + tuple(m.variance_epsilon for m in norms)
         cached = self.__dict__.get("_draft_w")
         if cached is not None and cached[0] == stamp:
             w = cached[1]
