@@ -9,7 +9,7 @@ from specfoundry.runtime.cuda_graph import BUCKETS, GraphedStep, GraphedTarget, 
 from specfoundry.runtime.drafters.draft import DraftModelDrafter
 from specfoundry.runtime.generator import SpeculativeGenerator
 from specfoundry.runtime.tree import ancestor_matrix, path_to, tree_depths
-from tiny_models import perturbed_copy, tiny_llama
+from tiny_models import perturbed_copy, record_host_reads, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 FEATS = (0, 1, 2)  # every layer's input and the final normed state of a 2-layer model
@@ -173,18 +173,7 @@ def test_the_static_function_reads_nothing_back_to_the_host(target, monkeypatch)
     step = GraphedStep(target, cache, FEATS)
     step.step(torch.tensor([[1, 2, 3]]))  # fills the buffers of bucket 4 (the host side may sync)
     cache.rollback()
-    reads = []
-
-    def spy(name):
-        real = getattr(torch.Tensor, name)
-
-        def wrapper(self, *a, **k):
-            reads.append(name)
-            return real(self, *a, **k)
-        return wrapper
-
-    for name in ("item", "tolist", "nonzero", "__bool__", "__int__", "__index__", "__float__"):
-        monkeypatch.setattr(torch.Tensor, name, spy(name))
+    reads = record_host_reads(monkeypatch)
     with torch.inference_mode():
         for n in BUCKETS:
             out = step.static_step(n)

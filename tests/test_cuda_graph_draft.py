@@ -8,7 +8,7 @@ import torch
 from specfoundry.runtime import SpeculativeGenerator, load_drafter
 from specfoundry.runtime.cuda_graph_draft import GraphedEagleDraft, stable_topk
 from specfoundry.runtime.drafters.eagle import topk_first
-from tiny_models import tiny_llama
+from tiny_models import record_host_reads, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 SHAPES = [("eagle3", dict(tree="chain", depth=4)), ("eagle3", dict(top_k=3, depth=4, total_tokens=10)), ("eagle3", dict(top_k=4, depth=5, total_tokens=12)),
@@ -110,18 +110,7 @@ def test_the_static_functions_read_nothing_back_to_the_host(target, monkeypatch)
     g.generate(prompt_ids=prompt, max_new_tokens=6, stop_at_eos=False)
     gd = d._graphed
     assert isinstance(gd, GraphedEagleDraft) and gd.queue_inputs
-    reads = []
-
-    def spy(name):
-        real = getattr(torch.Tensor, name)
-
-        def wrapper(self, *a, **k):
-            reads.append(name)
-            return real(self, *a, **k)
-        return wrapper
-
-    for name in ("item", "tolist", "nonzero", "__bool__", "__int__", "__index__", "__float__"):
-        monkeypatch.setattr(torch.Tensor, name, spy(name))
+    reads = record_host_reads(monkeypatch)
     with torch.inference_mode():
         for n in gd.queue_inputs:
             gd.static_queue(n)

@@ -74,3 +74,22 @@ def tiny_target_with_smollm2_tokenizer(d, vocab_size: int):
     LlamaForCausalLM(cfg).save_pretrained(d)
     AutoTokenizer.from_pretrained(builtin_model_dir("smollm2-135m")).save_pretrained(d)
     return d
+
+
+def record_host_reads(monkeypatch) -> list[str]:
+    """From now on (until ``monkeypatch`` is undone), every read of a tensor's value on the host
+    (item, tolist, nonzero, bool, int, index, float) appends its name to the returned list: what a
+    CUDA graph cannot capture."""
+    reads: list[str] = []
+
+    def spy(name):
+        real = getattr(torch.Tensor, name)
+
+        def wrapper(self, *a, **k):
+            reads.append(name)
+            return real(self, *a, **k)
+        return wrapper
+
+    for name in ("item", "tolist", "nonzero", "__bool__", "__int__", "__index__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, spy(name))
+    return reads
