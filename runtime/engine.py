@@ -61,6 +61,8 @@ def tensors_stamp(tensors: list[torch.Tensor]) -> tuple:
     except RuntimeError:  # an inference tensor among them
         version = sum(0 if t.is_inference() else t._version for t in tensors)
     return tuple(map(id, tensors)), tuple(map(_DATA_PTR, tensors)), version
+
+
 _ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
