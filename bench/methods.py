@@ -13,7 +13,8 @@ A method spec is ``SOURCE[:SHAPE][@DEPTH[/NODES]]``:
   continuation of at most 5 tokens whenever the context's last >= 2 tokens occurred before:
   :class:`~specfoundry.runtime.drafters.lookup.LookupFirstDrafter`); ``lookup-adaptive``: the
   same lookup before the ``adaptive`` shape (the controller drives the model drafter's steps);
-  ``lookup-tree@K/N`` (EAGLE heads): the same lookup before a fixed tree of depth ``K``, ``N`` nodes;
+  ``lookup-tree@K/N`` (EAGLE heads): the same lookup before a fixed tree of depth ``K``, ``N`` nodes
+  (at T > 0 the EAGLE heads draft a chain of depth ``K`` instead: their ``sampled_trees`` default);
 - peers: ``hf``, ``hf-lookup[@K]``, ``hf-assisted``; out-of-process peers (``vllm``,
   ``vllm-eagle3[@K]``, ``llamacpp``, ``llamacpp-lookup[@K]``) live in :mod:`specfoundry.bench.external`.
 
