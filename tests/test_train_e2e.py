@@ -52,6 +52,7 @@ def _check_run(run: Path, target_dir):
     summary = json.loads((run / "train_summary.json").read_text())
     assert summary["steps"] == 4 and summary["tokens_trained"] > 0
     assert "builtin-heldout" in summary["measured"] and summary["measured"]["builtin-heldout"]["T=0"]["identical_rate"] == 1.0
+    assert summary["evaluation"]["sampled_trees"] is True  # tau at T > 0 measured on the recipe's tree
     # the evaluation timed the runtime shapes on the held-out prompts and stored the fastest
     shape = cfg["training"]["runtime_shape"]
     assert summary["runtime_shape"] == shape and shape["prompts"] == 2

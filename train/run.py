@@ -502,12 +502,15 @@ def _save_and_evaluate(recipe, target, module, state_dict, run_dir: Path, summar
             acc.print(f"[eval] skipping {name}: file not found")
         else:  # a fixed random sample, so a category-ordered file (MT-bench) is not one category
             sets[name] = read_prompt_file(name, ev.limit, shuffle=True, seed=0)
-    drafter = load_drafter(str(spec_dir), target=target, **options)
+    # tau at T > 0 on the recipe's tree, as before the runtime's sampling requests drafted chains
+    # (sampled_trees=False, the runtime default: cheaper where the tree is drafted in Python)
+    sampled = {"sampled_trees": True} if recipe.method in ("eagle3", "eagle") else {}
+    drafter = load_drafter(str(spec_dir), target=target, **options, **sampled)
     result["measured"] = evaluate_speculator(target, drafter, sets, temperatures=ev.temperatures,
                                              max_new_tokens=ev.max_new_tokens, depth=ev.depth,
                                              baseline=ev.baseline, max_minutes=ev.max_minutes,
                                              adaptive=ev.adaptive)
-    result["evaluation"] = {"depth": ev.depth, "adaptive": ev.adaptive, **options,
+    result["evaluation"] = {"depth": ev.depth, "adaptive": ev.adaptive, **options, **sampled,
                             **({"skipped": skipped} if skipped else {})}
     if recipe.method in ("eagle3", "eagle") and ev.runtime_prompts and ev.runtime_shapes and heldout:
         # the fastest measured shape becomes the checkpoint's runtime default (runtime/tune.py)
