@@ -13,10 +13,11 @@ trained head ran at 0.19x plain (docs/results.md, twenty-fifth session).
 How the shapes stay static: the head's K/V are written with ``index_copy_`` at positions computed
 on the device from ``length`` (0-dim tensor: the committed entries before the queue) and ``count``
 (the queue's real rows); attention runs over the cache's whole capacity with a bool mask built on
-the device. The tree search is :meth:`EagleDrafter._grow_greedy` with every size fixed by
-(depth, top_k, budget): ``top_k`` ranks by a stable descending sort (equal scores in index order,
-what :func:`~.drafters.eagle.topk_first` guarantees), so on a CPU, where the same functions run
-eagerly (``capture=False``), the drafts equal the eager search's (tested). The graphs' outputs are
+the device. The tree search is the drafter's own (:meth:`EagleDrafter.greedy_search`, every size
+fixed by (depth, top_k, budget)) with this module's step and a top-k by stable descending sort
+(equal scores in index order, what :func:`~.drafters.eagle.topk_first` guarantees, without its
+host read), so on a CPU, where the same functions run eagerly (``capture=False``), the drafts equal
+the eager search's (tested). The graphs' outputs are
 read once per proposal (one host sync) to build the :class:`~specfoundry.runtime.tree.Draft`.
 """
 
@@ -26,7 +27,6 @@ import torch
 
 from .cuda_graph import bucket_for
 from .kvcache import StaticKVCache, grouped_attention
-from .sampling import tree_log_probs
 from .tree import Draft, subtree
 
 __all__ = ["QUEUE_BUCKETS", "GraphedEagleDraft", "stable_topk"]
@@ -150,44 +150,19 @@ class GraphedEagleDraft:
         return torch.cat(drafts)
 
     def static_tree(self, depth: int, top_k: int, budget: int) -> tuple[torch.Tensor, ...]:
-        """EAGLE-2's greedy tree (:meth:`EagleDrafter._grow_greedy`, same ranking and ties): the
-        candidates' target ids and parents (1-based, 0 = root) ``[M]`` and the kept candidates
-        ``[budget]`` (sorted)."""
-        head, k = self.head, top_k
-        d2t = head.draft_to_target
-        dev = self.root.device
+        """EAGLE-2's greedy tree: the drafter's own search (:meth:`EagleDrafter.greedy_search`, same
+        ranking and ties) with this module's static step and sync-free top-k: the candidates' target
+        ids and parents (1-based, 0 = root) ``[M]`` and the kept candidates ``[budget]`` (sorted)."""
         base = self.length + self.count
-        work = torch.promote_types(self.root.dtype, torch.float32)
-        tokens, parents, scores = [], [], []
-        n_nodes, written = 1, 0
-        front_idx = torch.zeros(1, dtype=torch.long, device=dev)
-        front_h = self.root
-        front_score = torch.zeros(1, dtype=work, device=dev)
-        front_rows = torch.zeros(1, 0, dtype=torch.bool, device=dev)
-        for d in range(1, depth + 1):
-            top_v, top_i = stable_topk(tree_log_probs(head.compute_logits(front_h), work), k)  # [m, k]
-            m = front_idx.shape[0]
-            child_tok = (top_i if d2t is None else d2t[top_i]).reshape(-1)
-            child_score = (front_score[:, None] + top_v).reshape(-1)
-            tokens.append(child_tok)
-            parents.append(front_idx.view(m, 1).expand(m, k).reshape(-1))
-            scores.append(child_score)
-            child_idx = n_nodes + torch.arange(m * k, device=dev)
-            n_nodes += m * k
-            if d == depth:
-                break
-            sel = stable_topk(child_score, min(k, m * k))[1].sort().values
-            par = sel // k
-            s = sel.shape[0]
-            rows = torch.cat([front_rows[par], torch.eye(s, dtype=torch.bool, device=dev)], dim=1)
-            positions = (base + d - 1).expand(1, s)
-            front_h = self._layer(child_tok[sel].view(1, s), front_h[par].view(1, s, -1), base, written, rows,
-                                  positions)[0]
-            written += s
-            front_rows, front_idx, front_score = rows, child_idx[sel], child_score[sel]
-        tok, par, score = torch.cat(tokens), torch.cat(parents), torch.cat(scores)
-        keep = torch.sort(-score, stable=True).indices[:budget].sort().values
-        return tok, par, keep
+
+        def step(ids, hidden, parent_rows, d):
+            s = ids.shape[0]
+            rows = torch.cat([parent_rows, torch.eye(s, dtype=torch.bool, device=ids.device)], dim=1)
+            out = self._layer(ids.view(1, s), hidden.view(1, s, -1), base, parent_rows.shape[1], rows,
+                              (base + d).expand(1, s))
+            return out[0], rows
+
+        return self.drafter.greedy_search(self.root, depth, top_k, budget, step, stable_topk)
 
     def tree_entries(self, depth: int, top_k: int) -> int:
         """Draft entries a tree of this shape writes past the queue (``top_k`` per depth but the

@@ -20,9 +20,9 @@ QUERY_BUCKET = 16
 
 #: SDPA backends allowed on CUDA (empty = PyTorch's own choice). Every one but cuDNN's: cuDNN builds
 #: an execution graph per new shape, and a decode or verification step sees a new key length every
-#: step. On an H200 (torch 2.11) eager steps cost ~48 ms the first time a length was seen and ~12 ms
-#: after (docs/results.md, twenty-fifth session); cuDNN's per-shape graphs are the suspected cause,
-#: which tools/gpu_run.py's ``sdpa_new_lengths`` measures on the next GPU lent (not confirmed yet).
+#: step. On an H200 (torch 2.11) one SDPA call at a key length not seen before cost 62.7 ms with
+#: PyTorch's own choice and 0.12 ms again; without cuDNN 0.17 ms either way (tools/gpu_run.py's
+#: ``sdpa_new_lengths``; docs/results.md, twenty-fifth and twenty-sixth sessions).
 CUDA_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 

@@ -306,42 +306,52 @@ class EagleDrafter(Drafter):
         return q.new_zeros(q.shape[0], self.head.architecture["vocab_size"]).index_copy_(1, d2t, q)
 
     def _grow_greedy(self, root: torch.Tensor, depth: int, budget: int) -> Draft:
-        head, k = self.head, self.top_k
-        d2t = head.draft_to_target
-        dev = self._root_hidden.device
         base = self.cache.length
+        tok, par, keep = self.greedy_search(self._root_hidden, depth, self.top_k, budget,
+                                            lambda ids, h, rows, d: self._step(ids, h, rows, base + d), topk_first)
+        return subtree(root, tok, par, keep, None)
+
+    def greedy_search(self, root_hidden: torch.Tensor, depth: int, k: int, budget: int, step, topk) -> tuple:
+        """EAGLE-2's greedy tree from the root's head output ``[1, H]``: every shape fixed by
+        (depth, k, budget), so the CUDA-graphed drafting runs this same search with its own ``step``
+        (:mod:`~specfoundry.runtime.cuda_graph_draft`). ``step(ids [s], hidden [s, H], parent_rows
+        [s, S], d)`` runs the ``s`` expanded nodes at depth offset ``d`` (position = first draft
+        position + d) and returns their outputs and ancestor rows ``[s, S + s]``; ``topk(x, k)`` is
+        :func:`topk_first` or a sync-free twin with the same result. Returns the candidates' target
+        ids and parents (1-based, 0 = root) ``[M]`` and the kept candidates ``[budget]`` (sorted)."""
+        head = self.head
+        d2t = head.draft_to_target
+        dev = root_hidden.device
         tokens, parents, scores = [], [], []  # per level, over nodes 1..N-1
         n_nodes = 1
         front_idx = torch.zeros(1, dtype=torch.long, device=dev)  # node ids of the frontier
-        front_h = self._root_hidden  # [m, H]
+        front_h = root_hidden  # [m, H]
         # scores only rank candidates (every draft is verified): float32, or the head's float64 in tests
-        work = torch.promote_types(self._root_hidden.dtype, torch.float32)
+        work = torch.promote_types(root_hidden.dtype, torch.float32)
         front_score = torch.zeros(1, dtype=work, device=dev)
         front_rows = torch.zeros(1, 0, dtype=torch.bool, device=dev)
         for d in range(1, depth + 1):
-            top_v, top_i = topk_first(tree_log_probs(head.compute_logits(front_h), work), k)  # [m, k]
-            child_tok = top_i if d2t is None else d2t[top_i]
-            child_score = (front_score[:, None] + top_v).reshape(-1)
+            top_v, top_i = topk(tree_log_probs(head.compute_logits(front_h), work), k)  # [m, k]
             m = front_idx.shape[0]
-            tokens.append(child_tok.reshape(-1))
-            parents.append(front_idx.repeat_interleave(k))
+            child_tok = (top_i if d2t is None else d2t[top_i]).reshape(-1)
+            child_score = (front_score[:, None] + top_v).reshape(-1)
+            tokens.append(child_tok)
+            parents.append(front_idx.view(m, 1).expand(m, k).reshape(-1))
             scores.append(child_score)
             child_idx = n_nodes + torch.arange(m * k, device=dev)
             n_nodes += m * k
             if d == depth:
                 break
             # EAGLE-2: expand the top_k newest nodes by cumulative score
-            sel = topk_first(child_score, min(k, m * k))[1].sort().values
+            sel = topk(child_score, min(k, m * k))[1].sort().values
             par = sel // k
-            front_h, front_rows = self._step(tokens[-1][sel], front_h[par], front_rows[par], base + d - 1)
+            front_h, front_rows = step(child_tok[sel], front_h[par], front_rows[par], d - 1)
             front_idx, front_score = child_idx[sel], child_score[sel]
-        tok = torch.cat(tokens)
-        par = torch.cat(parents)
         score = torch.cat(scores)
-        # keep the best `budget` nodes; the stable sort breaks ties by index (parents first)
-        order = torch.sort(-score, stable=True).indices[:budget]
-        keep = order.sort().values  # creation order is topological
-        return subtree(root, tok, par, keep, None)
+        # keep the best `budget` nodes; the stable sort breaks ties by index (parents first), and
+        # creation order is topological
+        keep = torch.sort(-score, stable=True).indices[:budget].sort().values
+        return torch.cat(tokens), torch.cat(parents), keep
 
     def _grow_sampling(self, root: torch.Tensor, depth: int, budget: int, ctx: DraftContext) -> Draft:
         head, k = self.head, self.top_k
