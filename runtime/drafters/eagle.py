@@ -155,10 +155,10 @@ class EagleDrafter(Drafter):
         # the C chain samples with a temperature only (no top-k / top-p processing of q)
         plain_q = sp.greedy or ((sp.top_k is None or sp.top_k >= self.head.draft_vocab_size)
                                 and (sp.top_p is None or sp.top_p >= 1.0))
-        # a greedy tree in the same call where its top-k fits the C step (budget >= 1 and depth >= 1)
         if self._graphed is not None and sp.greedy and depth >= 1 and budget >= 1 \
                 and (self._queue_ids or self._root_hidden is not None):
             return self._propose_graphed(root, depth, 1 if chain else self.top_k, depth if chain else budget)
+        # a greedy tree in the same call where its top-k fits the C step (budget >= 1 and depth >= 1)
         tree = not chain and sp.greedy and self._static and 1 <= depth and 1 <= budget and self.top_k <= MAX_C_TOP_K
         drafted = self._run_queue(depth if (chain and plain_q) or tree else 0, ctx, self.top_k if tree else 0,
                                   budget if tree else 0)
