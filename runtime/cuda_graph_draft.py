@@ -80,16 +80,15 @@ class GraphedEagleDraft:
         self.graphs: dict[tuple, tuple] = {}
         self.pool = None
 
-    def ensure(self, cache: StaticKVCache, need: int) -> bool:
+    def ensure(self, cache: StaticKVCache, need: int) -> None:
         """Make room for ``need`` more entries past the committed ones in ``cache`` (regrowing it
-        drops the graphs); False where that is more than the cache could ever hold."""
+        drops the graphs), and follow a replaced cache."""
         if cache is not self.cache or cache.kv is not self.kv:
             self.cache = cache
             self._reset()
         if cache.length + need > cache.capacity:
             cache.reserve(need)  # doubles the capacity: new storage, new graphs
             self._reset()
-        return True
 
     def _mask(self, base: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
         """Bool ``[1, 1, g*m, capacity]``: columns before ``base`` (a 0-dim device tensor) visible,
@@ -163,11 +162,6 @@ class GraphedEagleDraft:
             return out[0], rows
 
         return self.drafter.greedy_search(self.root, depth, top_k, budget, step, stable_topk)
-
-    def tree_entries(self, depth: int, top_k: int) -> int:
-        """Draft entries a tree of this shape writes past the queue (``top_k`` per depth but the
-        first and the last)."""
-        return max(depth - 1, 0) * top_k
 
     def _run(self, key: tuple, fn):
         """``fn()`` eagerly, or replayed from the graph captured for ``key`` (captured on first use)."""
