@@ -496,7 +496,7 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
                  hidden: torch.Tensor | None, depth: int, layer_kv: torch.Tensor, past: int, cos: torch.Tensor,
                  sin: torch.Tensor, *, heads: tuple[int, int], intermediate: int, eps: float, scale: float,
                  keep: bool = True, temperature: float = 0.0, uniforms: torch.Tensor | None = None,
-                 top_k: int = 0, budget: int = 0) -> tuple | None:
+                 top_k: int = 0, budget: int = 0, root: int | None = None) -> tuple | None:
     """An EAGLE-3 head's drafting step for one sequence in one C call: the queued committed pairs
     (raw target ``features`` ``[n, F, H]`` and next ``ids`` ``[n]``, or None) through the feature
     norms, ``fc`` and the head's layer (their K/V written at ``past``), then a chain of ``depth``
@@ -512,7 +512,9 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
     (up to ``(depth - 1) * top_k``) are written after the queued pairs'. Returns (target ids, the new
     root hidden ``[H]``, the draft distributions ``[depth, Vd]`` fp32 when sampled else None, the tree's
     parents ``[nodes]`` (0 = root, else the kept node's number from 1) else None), or None when sampling
-    met a row of non-finite scaled logits."""
+    met a row of non-finite scaled logits. With the ``root`` id: the draft as a
+    :class:`~.tree.Draft`'s rows instead, ids ``[1, 1 + nodes]`` (the root first) and parents
+    ``[1, 1 + nodes]`` (-1, then a chain's or the tree's), made without a tensor op."""
     lib = _load()[0]
     if lib is None:
         raise RuntimeError(f"the layer kernel is unavailable: {unavailable_reason()}")
@@ -533,14 +535,21 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
         raise ValueError(f"cos/sin need {steps} rows (positions {past}..), got {cos.shape[0]}, {sin.shape[0]}")
     rows = max(n, top_k, 1)
     h = torch.empty(H, dtype=torch.bfloat16) if hidden is None else hidden.reshape(H).contiguous().clone()
-    tokens = torch.empty(max(depth, budget, 1), dtype=torch.long)
-    parents = torch.empty(max(budget, 1), dtype=torch.long)
+    # ids and parents in one tensor, each row with a slot for the root first (a Draft's layout)
+    N = max(depth, budget, 1)
+    out = torch.empty(2, N + 1, dtype=torch.long)
+    at = out.data_ptr()
+    tokens, parents = at + 8, at + 8 * (N + 2)
     nout = ctypes.c_int(0)
+    # the work buffers in one allocation (bf16 wb and lb, fp32 wf), each 64-byte aligned
     nqkv = (hq + 2 * hkv) * D
-    wb = torch.empty(rows * (2 * H + nqkv + hq * D + H + 3 * intermediate), dtype=torch.bfloat16)
-    wf = torch.empty(2 * rows * hq * D, dtype=torch.float32)
+    n_wb = rows * (2 * H + nqkv + hq * D + H + 3 * intermediate)
     tree = top_k * (5 * H + Vd + 2 * D)  # frontier, residuals, inputs, norms, logits, RoPE rows
-    lb = torch.empty(max(n * F * H + n * H + rows * 2 * H + H + Vd, tree), dtype=torch.bfloat16)
+    n_lb = max(n * F * H + n * H + rows * 2 * H + H + Vd, tree)
+    work = torch.empty(2 * n_wb + 2 * n_lb + 8 * rows * hq * D + 192, dtype=torch.uint8)
+    wb = -(-work.data_ptr() // 64) * 64
+    lb = -(-(wb + 2 * n_wb) // 64) * 64
+    wf = -(-(lb + 2 * n_lb) // 64) * 64
     feats = features.contiguous() if n else None
     cos, sin = cos.contiguous(), sin.contiguous()
     qids = ids.reshape(n).to(torch.long).contiguous() if n else None
@@ -554,12 +563,17 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
         n, ptr(feats), ptr(qids), F, w["fnw"].data_ptr(), w["fcw"].data_ptr(), depth, table.data_ptr(),
         w["inw"].data_ptr(), w["hnw"].data_ptr(), w["onw"].data_ptr(), w["lmw"].data_ptr(), Vd, ptr(w["d2t"]),
         w["emb"].data_ptr(), H, hq, hkv, D, intermediate, float(eps), float(scale), layer_kv.data_ptr(),
-        layer_kv.stride(1), layer_kv.stride(3), past, cos.data_ptr(), sin.data_ptr(), h.data_ptr(), tokens.data_ptr(),
-        wb.data_ptr(), wf.data_ptr(), lb.data_ptr(), int(keep), float(temperature), ptr(uq), ptr(qout), top_k,
-        budget, parents.data_ptr(), ctypes.byref(nout))
+        layer_kv.stride(1), layer_kv.stride(3), past, cos.data_ptr(), sin.data_ptr(), h.data_ptr(), tokens,
+        wb, wf, lb, int(keep), float(temperature), ptr(uq), ptr(qout), top_k, budget, parents, ctypes.byref(nout))
     if status == 2:
         return None
     cpu_attention.check(status)
-    if top_k:
-        return tokens[:nout.value], h, None, parents[:nout.value]
-    return tokens[:depth], h, qout, None
+    m = nout.value if top_k else depth
+    if root is None:
+        return out[0, 1:m + 1], h, qout if not top_k else None, out[1, 1:m + 1] if top_k else None
+    # the root's slots written through the buffer's address: cheaper than two indexing ops
+    row = (ctypes.c_int64 * (2 * N + 2)).from_address(at)
+    row[0], row[N + 1] = root, -1
+    if not top_k:
+        row[N + 2:N + 2 + m] = range(m)  # a chain: node i's parent is i - 1
+    return out[:1, :m + 1], h, qout if not top_k else None, out[1:, :m + 1]

@@ -437,13 +437,19 @@ class SpeculativeGenerator:
             out = target.forward(draft.tokens, cache, position_ids=positions, tree_mask=mask,
                                  feature_layers=feature_layers)
             res = verify(draft, out.logits, sampling, gen)
-            path = res.path[0]
-            path = path[path >= 0]
+            # the accepted path as a host list: a handful of indices, cheaper than tensor ops here
+            path = [i for i in res.path[0].tolist() if i >= 0]
             cache.commit(path)
-            new = torch.cat([draft.tokens[0, path[1:]], res.next_token.view(1)]).view(1, -1)
+            if len(path) == 1:  # the root only (a plain step, or nothing accepted)
+                new, feats = res.next_token.view(1, 1), out.features
+                if feats is not None and feats.shape[1] > 1:
+                    feats = feats[:, :1]
+            else:
+                new = torch.cat([draft.tokens[0, path[1:]], res.next_token.view(1)]).view(1, -1)
+                feats = None if out.features is None else out.features[:, path]
             t2 = time.perf_counter()
             if drafter is not None:
-                drafter.commit(new, out.features[:, path] if out.features is not None else None)
+                drafter.commit(new, feats)
             t3 = time.perf_counter()
 
             n_drafted = draft.num_nodes - 1

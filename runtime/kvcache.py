@@ -176,24 +176,25 @@ class StaticKVCache:
     def mark_appended(self, n: int) -> None:
         self._pending = n
 
-    @torch.inference_mode()
-    def commit(self, keep: torch.Tensor | None = None) -> None:
+    def commit(self, keep: torch.Tensor | list[int] | None = None) -> None:
         """Keep the pending entries at ``keep`` (``[m]`` sorted indices into the last forward's new
-        tokens; None keeps all). Only the kept entries that are not already in place move."""
+        tokens, a tensor or a list; None keeps all). Only the kept entries that are not already in
+        place move. The indices are read on the host (a handful per step: cheaper than tensor ops
+        right after a forward, and one copy on a GPU)."""
         n, past = self._pending, self.length
         self._pending = 0
         if keep is None:
             self.length = past + n
             return
-        m = int(keep.numel())
-        if m:
-            keep = keep.to(device=self.kv.device, dtype=torch.long)
-            ar = torch.arange(m, device=keep.device)
-            moved = keep != ar  # sorted and unique: entries before the first gap are in place
-            if bool(moved.any()):
-                first = int(moved.to(torch.int8).argmax())
+        keep = keep.tolist() if isinstance(keep, torch.Tensor) else keep
+        m = len(keep)
+        # sorted and unique: entries before the first gap are in place
+        first = next((i for i, k in enumerate(keep) if k != i), m)
+        if first < m:
+            with torch.inference_mode():
+                src = torch.tensor(keep[first:], dtype=torch.long, device=self.kv.device) + past
                 # keep[i] >= i, so writing slot past+i never clobbers a later source
-                self.kv[..., past + first: past + m, :] = self.kv[..., past + keep[first:], :]
+                self.kv[..., past + first: past + m, :] = self.kv[..., src, :]
         self.length = past + m
 
     def rollback(self) -> None:

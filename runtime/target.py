@@ -73,15 +73,15 @@ class KVCache:
         """Record that a forward appended ``n`` entries, pending until :meth:`commit`."""
         self._pending = n
 
-    def commit(self, keep: torch.Tensor | None = None) -> None:
+    def commit(self, keep: torch.Tensor | list[int] | None = None) -> None:
         """Keep the committed prefix plus the pending entries at ``keep`` (``[m]`` indices into
-        the last forward's new tokens, in order); ``None`` keeps them all."""
+        the last forward's new tokens, in order, a tensor or a list); ``None`` keeps them all."""
         n = self._pending
         if keep is None:
             self.length += n
             self._pending = 0
             return
-        keep = keep.to(torch.long)
+        keep = torch.as_tensor(keep, dtype=torch.long)
         m = int(keep.numel())
         contiguous = m == 0 or bool((keep == torch.arange(m, device=keep.device)).all())
         for layer in self._layers():

@@ -93,6 +93,7 @@ class EagleDrafter(Drafter):
         self._queue_ids: list[torch.Tensor] = []  # next tokens of pairs not yet run
         self._queue_features: list[torch.Tensor] = []  # the target's features of those pairs
         self._root_hidden: torch.Tensor | None = None  # head output for the root's pair [1, H]
+        self._plan = False  # Eagle3Head.draft_plan for this request (None: none), False until taken
         self._graphs: bool | None = None  # use_cuda_graphs: None off, else the capture flag
         self._graphed = None  # its GraphedEagleDraft, made by begin()
 
@@ -129,6 +130,7 @@ class EagleDrafter(Drafter):
             self._graphed.ensure(self.cache, 0)
         self._queue_ids, self._queue_features = [], []
         self._root_hidden = None
+        self._plan = False  # the head's draft_plan for this request, taken when first needed
         self._num_tokens = prompt_ids.shape[1]
         self._enqueue(prompt_ids[:, 1:], features)
 
@@ -162,13 +164,12 @@ class EagleDrafter(Drafter):
         tree = not chain and sp.greedy and self._static and 1 <= depth and 1 <= budget and self.top_k <= MAX_C_TOP_K
         drafted = self._run_queue(depth if (chain and plain_q) or tree else 0, ctx, self.top_k if tree else 0,
                                   budget if tree else 0)
-        if drafted is not None:  # drafted with the queued pairs, in one call
-            drafts, q, parents = drafted
-            if parents is not None:
-                return Draft(torch.cat([root.view(1).to(drafts.device), drafts]).view(1, -1),
-                             torch.cat([torch.full((1,), -1, dtype=torch.long), parents]).view(1, -1), None)
-            q_all = None if q is None else self._target_vocab(q).unsqueeze(0)
-            return Draft.chain(root.view(1).to(drafts.device), drafts.view(1, depth), q_all)
+        if drafted is not None:  # drafted with the queued pairs, in one call: the Draft's rows, root first
+            tokens, q, parents = drafted
+            if q is not None:  # a sampled chain: the root's row of q is unused
+                q = self._target_vocab(q)
+                q = torch.cat([q.new_zeros(1, q.shape[1]), q]).unsqueeze(0)
+            return Draft(tokens, parents, q)
         if depth < 1 or budget < 1 or self._root_hidden is None:
             return Draft.root_only(root)
         base = self.cache.length
@@ -186,8 +187,7 @@ class EagleDrafter(Drafter):
         queued pairs run in a bucket of at most ``QUEUE_BUCKETS[-1]`` rows (more, the prompt's:
         the eager step), then the draft."""
         g = self._graphed
-        ids = torch.cat(self._queue_ids, dim=1) if self._queue_ids else None
-        features = torch.cat(self._queue_features, dim=1) if self._queue_ids else None
+        ids, features = _joined(self._queue_ids), _joined(self._queue_features)
         self._queue_ids, self._queue_features = [], []
         drafts = depth * top_k  # more than a chain or a tree of this shape writes
         m = 0 if ids is None else ids.shape[1]
@@ -216,21 +216,22 @@ class EagleDrafter(Drafter):
         self._queue_features.append(features)  # fused with the rest of the queue when it runs
         self._queue_ids.append(next_ids.to(self.head.device))
 
-    @torch.inference_mode()
     def _run_queue(self, chain: int = 0, ctx: DraftContext | None = None, top_k: int = 0,
                    budget: int = 0) -> tuple | None:
         """Run the queued pairs (the new root's head output becomes ``_root_hidden``). ``chain`` > 0:
         also draft a chain of that depth (greedy, or sampled with ``ctx``'s temperature), or with
         ``top_k`` > 0 a greedy tree of that depth and at most ``budget`` nodes, where the head does
-        both in one call (``fused_draft``): (target ids, the draft distributions ``[chain, Vd]`` or
-        None, the tree's parents (0 = root) or None); None otherwise (the caller drafts)."""
-        ids = torch.cat(self._queue_ids, dim=1) if self._queue_ids else None
-        features = torch.cat(self._queue_features, dim=1) if self._queue_ids else None
-        fused = getattr(self.head, "fused_draft", None) if self._static else None
+        both in one call (``fused_draft``): (the draft's ids ``[1, N]`` root first, the draft
+        distributions ``[chain, Vd]`` or None, its parents ``[1, N]``); None otherwise (the caller drafts)."""
+        ids, features = _joined(self._queue_ids), _joined(self._queue_features)
+        if self._plan is False:  # the head's one-call drafting, checked once per request
+            plan = getattr(self.head, "draft_plan", None) if self._static else None
+            self._plan = None if plan is None else plan(self.cache)
         temperature = 0.0 if not chain or ctx.sampling.greedy else ctx.sampling.temperature
-        done = None if fused is None or (ids is None and not chain) else \
-            fused(ids, features, self._root_hidden, chain, self.cache, temperature,
-                  None if ctx is None else ctx.generator, top_k, budget)
+        done = None if self._plan is None or (ids is None and not chain) else \
+            self.head.fused_draft(ids, features, self._root_hidden, chain, self.cache, temperature,
+                                  None if ctx is None else ctx.generator, top_k, budget,
+                                  int(ctx.tokens[0, -1]) if chain else None, self._plan)
         self._queue_ids, self._queue_features = [], []
         if done is not None:
             drafts, self._root_hidden, q, parents = done
@@ -420,6 +421,11 @@ class EagleDrafter(Drafter):
         keep = torch.arange(tok.shape[0], device=dev)
         q_all = self._target_vocab(torch.cat(qs))
         return subtree(root, tok, torch.cat(parents), keep, q_all)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """Queued ``[1, n_i, ...]`` tensors as one (usually there is one: no copy), None for none."""
+    return None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def topk_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

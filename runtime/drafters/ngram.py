@@ -53,10 +53,11 @@ class NgramDrafter(Drafter):
                 return self._tokens[j : j + k]
         return []
 
-    def chain(self, root: torch.Tensor, k: int) -> Draft:
-        """The lookup continuation (at most ``k`` tokens; none without a match) as a chain below
-        ``root`` ``[1]``."""
-        found = self.lookup(k) if k > 0 else []
+    def chain(self, root: torch.Tensor, k: int, found: list[int] | None = None) -> Draft:
+        """The lookup continuation (at most ``k`` tokens; none without a match; ``found``: the
+        :meth:`lookup` the caller already made) as a chain below ``root`` ``[1]``."""
+        if found is None:
+            found = self.lookup(k) if k > 0 else []
         drafts = torch.tensor([found], dtype=torch.long, device=root.device).view(1, len(found))
         return Draft.chain(root, drafts)
 

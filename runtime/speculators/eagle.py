@@ -565,10 +565,10 @@ class Eagle3Head(_EagleBase):
     def _decode(self, input_ids, hidden, **kw):
         return self.layer(hidden, input_embeds=self._embed(input_ids), **kw)
 
-    @torch.inference_mode()
     def fused_draft(self, input_ids: torch.Tensor | None, features: torch.Tensor | None, hidden: torch.Tensor | None,
                     depth: int, cache: StaticKVCache, temperature: float = 0.0,
-                    generator: torch.Generator | None = None, top_k: int = 0, budget: int = 0) -> tuple | None:
+                    generator: torch.Generator | None = None, top_k: int = 0, budget: int = 0,
+                    root: int | None = None, plan: tuple | None = None) -> tuple | None:
         """The drafter's queued committed pairs (next ``input_ids`` ``[1, n]``, raw target ``features``
         ``[1, n, F, H]``; None when nothing is queued) run on ``cache`` and committed, then a chain of
         ``depth`` drafts from the last output (or from ``hidden`` ``[1, H]``), in one C call
@@ -579,20 +579,21 @@ class Eagle3Head(_EagleBase):
         :func:`~..sampling.sample` draws). ``top_k`` > 0 (greedy): EAGLE-2's tree of at most ``budget``
         nodes instead of a chain (the drafter's ``_grow_greedy``, the same drafts). Returns (target ids,
         the new root hidden ``[1, H]``, the draft distributions ``[depth, Vd]`` or None when greedy, the
-        tree's parents (0 = root) or None for a chain), or None where it does not run (not the AVX-512
+        tree's parents (0 = root) or None for a chain; with the ``root`` id, the ids and parents as a
+        :class:`~..tree.Draft`'s ``[1, 1 + nodes]`` rows, root first), or None where it does not run (not the AVX-512
         BF16 kernels, another dtype, more than ``cpu_layers.MAX_TOKENS`` queued pairs or ``top_k``,
         non-finite scaled logits): the caller takes the step-by-step path, with the cache and the
-        generator as they were."""
+        generator as they were. ``plan``: :meth:`draft_plan` as the caller took it for this request
+        (the weights as they were then), else it is taken now."""
         n = 0 if input_ids is None else input_ids.shape[1]
-        run = self.__dict__.get("_linears")
-        if run is None or tuple(run.kernels[:2]) != ("avx512bf16", "avx512bf16") or n > cpu_layers.MAX_TOKENS \
-                or (n == 0 and (depth == 0 or hidden is None)) or top_k > cpu_layers.MAX_TOKENS \
+        if n > cpu_layers.MAX_TOKENS or (n == 0 and (depth == 0 or hidden is None)) or top_k > cpu_layers.MAX_TOKENS \
                 or (n and (input_ids.shape[0] != 1 or features.dtype != torch.bfloat16 or features.device.type != "cpu")):
             return None
-        table = self._layer_table(1, max(n, 1), None, cache)
-        w = None if table is None else self._draft_weights(run)
-        if w is None:
-            return None
+        if plan is None:
+            plan = self.draft_plan(cache)
+            if plan is None:
+                return None
+        table, w = plan
         cache.check_ready()
         steps = n + max(depth - 1, 0)  # positions: the queued pairs, every depth but the last
         cache.reserve(n + max(depth - 1, 0) * max(top_k, 1))  # a tree's steps write up to top_k entries
@@ -608,7 +609,8 @@ class Eagle3Head(_EagleBase):
             table, w, features.reshape(n, -1, H) if n else None, input_ids if n else None, hidden, depth, cache.kv,
             past, cos, sin, heads=(a["num_attention_heads"], a["num_key_value_heads"]),
             intermediate=a["intermediate_size"], eps=w["eps"], scale=self.layer.self_attn.scaling,
-            temperature=temperature if depth else 0.0, uniforms=uniforms, top_k=top_k if depth else 0, budget=budget)
+            temperature=temperature if depth else 0.0, uniforms=uniforms, top_k=top_k if depth else 0, budget=budget,
+            root=root)
         if out is None:  # a draft row was not finite: nothing is kept, the uniforms go back
             if generator is not None:
                 generator.set_state(state)
@@ -620,6 +622,37 @@ class Eagle3Head(_EagleBase):
             cache.mark_appended(n)
             cache.commit()
         return tokens, h.view(1, H), q, parents
+
+    def draft_plan(self, cache: StaticKVCache) -> tuple | None:
+        """(the layer table, the weights) of :meth:`fused_draft` for drafting on ``cache``, or None
+        where it does not run (not the AVX-512 BF16 kernels, not bf16 on CPU, norms of different
+        epsilons). Made again when any tensor it reads was edited or replaced since the last call.
+        A drafter takes it once per request (checking ~20 tensors cost ~0.06 ms of Python per
+        drafting step on caches a forward just flushed; twenty-seventh session): weights edited
+        during a request are not seen until the next one."""
+        run = self.__dict__.get("_linears")
+        if run is None or tuple(run.kernels[:2]) != ("avx512bf16", "avx512bf16") or not cache.kv.is_contiguous():
+            return None
+        mods = self.__dict__.get("_plan_modules")
+        if mods is None:
+            layer = self.layer
+            attn, mlp = layer.self_attn, layer.mlp
+            mods = self.__dict__["_plan_modules"] = (
+                attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj, self.fc,
+                self.lm_head, *self.feature_norms, layer.input_layernorm, layer.hidden_norm,
+                layer.post_attention_layernorm, self.norm, self.embed_tokens)
+        params = [m._parameters for m in mods]
+        tensors = [p["weight"] for p in params] + [b for p in params if (b := p.get("bias")) is not None]
+        tensors.append(self._buffers["d2t"])
+        stamp = (id(run), self.dtype) + tensors_stamp(tensors) + tuple(m.variance_epsilon for m in mods[9:-1])
+        cached = self.__dict__.get("_plan")
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        table = self._layer_table(1, 1, None, cache)
+        w = None if table is None else self._draft_weights(run)
+        plan = None if w is None else (table, w)
+        self.__dict__["_plan"] = (stamp, plan)
+        return plan
 
     def _draft_weights(self, run: PreparedLinears) -> dict | None:
         """:meth:`fused_draft`'s weights (see :func:`.cpu_layers.eagle3_draft`), kept while they are
