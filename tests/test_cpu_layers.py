@@ -10,8 +10,10 @@ from tiny_models import assert_greedy_speculation_is_plain, tiny_llama
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from specfoundry.runtime import cpu_layers, load_drafter
+from specfoundry.runtime.drafters.base import DraftContext
 from specfoundry.runtime.engine import LlamaEngine
 from specfoundry.runtime.models import wrap_target
+from specfoundry.runtime.sampling import SamplingParams
 from specfoundry.runtime.tree import ancestor_matrix, tree_depths
 
 pytestmark = pytest.mark.skipif(not cpu_layers.available(),
@@ -490,3 +492,44 @@ def test_the_heads_prepared_weights_follow_edits_and_replacements():
     head.feature_norms[0].weight = torch.nn.Parameter(head.feature_norms[0].weight.detach() * 2)
     _, w5 = prepared()
     assert w5["fnw"] is not w4["fnw"] and torch.equal(w5["fnw"][0], head.feature_norms[0].weight)
+
+
+def test_the_draft_plan_is_taken_once_per_request_and_follows_edits():
+    """``Eagle3Head.draft_plan``: the same plan while nothing it reads changed, a new one after an
+    in-place edit or a replaced weight (here the fc and the LM head, which only it checks for the
+    fused drafting); the drafter takes it at its first drafting step of a request and keeps it until
+    the next ``begin``, whose drafts then follow the edit (equal to the step-by-step path's)."""
+    target = _target()
+    drafter = _eagle3_chain(target, depth=2)
+    head = drafter.head
+    cache = head.new_cache(64)
+    p0 = head.draft_plan(cache)
+    assert p0 is not None and head.draft_plan(cache) is p0
+    with torch.no_grad():
+        head.fc.weight.mul_(1.25)
+    p1 = head.draft_plan(cache)
+    assert p1 is not p0 and p1[1]["fcw"] is not p0[1]["fcw"]
+    head.lm_head.weight = torch.nn.Parameter(head.lm_head.weight.detach() * 1.5)
+    p2 = head.draft_plan(cache)
+    assert p2 is not p1 and head.draft_plan(cache) is p2
+
+    prompt, feats = torch.tensor([[1, 2, 3, 4, 5]]), torch.randn(1, 4, 3, 128).bfloat16()
+    ctx = DraftContext(prompt, SamplingParams(0.0), 2, 3)
+    drafter.begin(prompt, feats)
+    assert drafter._plan is False  # not taken before the first drafting step
+    drafter.propose(ctx)
+    taken = drafter._plan
+    assert taken is p2
+    with torch.no_grad():
+        head.lm_head.weight.mul_(-1.0)  # during the request: not seen until the next one
+    drafter.commit(torch.tensor([[7]]), torch.randn(1, 1, 3, 128).bfloat16())
+    drafter.propose(DraftContext(torch.cat([prompt, torch.tensor([[7]])], 1), SamplingParams(0.0), 2, 3))
+    assert drafter._plan is taken
+    drafter.begin(prompt, feats)
+    fused = drafter.propose(ctx)
+    assert drafter._plan is not taken
+    drafter.begin(prompt, feats)
+    drafter._plan = None  # the step-by-step path, with the edited weights
+    step_by_step = drafter.propose(ctx)
+    assert fused.tokens.tolist() == step_by_step.tokens.tolist()
+    assert fused.parents.tolist() == step_by_step.parents.tolist()

@@ -54,7 +54,8 @@ def test_tree_node_logits_equal_linear_rerun(tiny_target, n_nodes, past):
             torch.testing.assert_close(out.features[0, node, j], ref.hidden_states[layer][0, -1], rtol=0, atol=1e-10)
 
 
-def test_commit_keeps_non_contiguous_path_then_decoding_matches(tiny_target):
+@pytest.mark.parametrize("as_list", [False, True])  # a tensor, or the generator's host list
+def test_commit_keeps_non_contiguous_path_then_decoding_matches(tiny_target, as_list):
     t = tiny_target
     prefix = torch.arange(7).view(1, -1) + 3
     parents, _ = tree_from_choices([[0, 0, 0], [1, 0], [1, 1, 0], [2]])
@@ -69,7 +70,7 @@ def test_commit_keeps_non_contiguous_path_then_decoding_matches(tiny_target):
     keep = path_to(parents, torch.tensor([deepest]))[0]
     keep = keep[keep >= 0]
     assert not torch.equal(keep, torch.arange(len(keep))), "test needs a non-contiguous path"
-    cache.commit(keep)
+    cache.commit(keep.tolist() if as_list else keep)
     assert cache.length == 7 + len(keep)
     nxt = torch.tensor([[5, 6]])
     out = t.forward(nxt, cache)
