@@ -184,7 +184,7 @@ def sampling_chain(tokens: torch.Tensor, q: torch.Tensor | None, logits: torch.T
         return None
     logits = logits.contiguous()
     k = N - 1
-    x = tokens[1:].to(torch.long).contiguous()
+    x = tokens[1:].to(torch.long).contiguous() if k else None  # a plain step: no drafts to read
     qd = None if q is None else q[1:].contiguous()
     state = generator.get_state() if generator is not None else torch.random.get_rng_state()
     u = torch.rand(k, 1, generator=generator, dtype=torch.float32).view(k) if k else torch.empty(0)
@@ -192,7 +192,7 @@ def sampling_chain(tokens: torch.Tensor, q: torch.Tensor | None, logits: torch.T
     work = torch.empty(2 * V, dtype=torch.float32)
     acc, nxt = ctypes.c_int64(), ctypes.c_int64()
     status = lib.sf_verify_sampling_chain(logits.data_ptr(), int(logits.dtype == torch.bfloat16), V, k,
-                                          float(temperature), x.data_ptr(), None if qd is None else qd.data_ptr(),
+                                          float(temperature), None if x is None else x.data_ptr(), None if qd is None else qd.data_ptr(),
                                           u.data_ptr(), uf, work.data_ptr(), ctypes.byref(acc), ctypes.byref(nxt))
     if status:  # a needed row is not finite: give the random numbers back, PyTorch's path handles it
         if generator is not None:

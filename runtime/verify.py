@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu_verify  # (its C kernel is built on first use)
 from .sampling import SamplingParams, argmax, probs_from_logits, sample
 from .tree import Draft, tree_depths
 
@@ -247,16 +248,14 @@ def _sampling_chain_in_c(draft: Draft, target_logits: torch.Tensor, sampling: Sa
                          generator: torch.Generator | None) -> VerifyResult | None:
     """:func:`verify_sampling_chain` of one sequence with temperature-only sampling in one C call
     (:mod:`.cpu_verify`: the same rule and random numbers, ~0.8 -> ~0.1 ms per step), or None."""
-    from . import cpu_verify  # (a C kernel built on first use)
-
     q = None if draft.q is None else draft.q[0]
     out = cpu_verify.sampling_chain(draft.tokens[0], q, target_logits[0], sampling.temperature, generator)
     if out is None:
         return None
     accepted, nxt = out
     N = draft.tokens.shape[1]
-    ar = torch.arange(N, device=draft.tokens.device).view(1, N)
-    return VerifyResult(torch.tensor([accepted]), torch.where(ar <= accepted, ar, torch.full_like(ar, -1)),
+    # the path built on the host: one tensor op, not four (they run on caches a forward just flushed)
+    return VerifyResult(torch.tensor([accepted]), torch.tensor([list(range(accepted + 1)) + [-1] * (N - 1 - accepted)]),
                         torch.tensor([nxt]))
 
 
@@ -294,7 +293,8 @@ def verify(draft: Draft, target_logits: torch.Tensor, sampling: SamplingParams,
     one = draft.tokens.shape[0] == 1
     if sampling.greedy and one:
         return _greedy_one(draft, target_logits)
-    chain = draft.parents[0].tolist() == list(range(-1, draft.tokens.shape[1] - 1)) if one else _is_chain(draft.parents)
+    N = draft.tokens.shape[1]
+    chain = N == 1 or (draft.parents[0].tolist() == list(range(-1, N - 1)) if one else _is_chain(draft.parents))
     if sampling.greedy:
         return (verify_greedy_chain if chain else verify_greedy_tree)(draft, target_logits)
     if chain and one and (sampling.top_k is None or sampling.top_k >= target_logits.shape[-1]) \
