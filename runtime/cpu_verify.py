@@ -191,9 +191,10 @@ def sampling_chain(tokens: torch.Tensor, q: torch.Tensor | None, logits: torch.T
     uf = float(torch.rand(1, 1, generator=generator, dtype=torch.float64))
     work = torch.empty(2 * V, dtype=torch.float32)
     acc, nxt = ctypes.c_int64(), ctypes.c_int64()
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     status = lib.sf_verify_sampling_chain(logits.data_ptr(), int(logits.dtype == torch.bfloat16), V, k,
-                                          float(temperature), None if x is None else x.data_ptr(), None if qd is None else qd.data_ptr(),
-                                          u.data_ptr(), uf, work.data_ptr(), ctypes.byref(acc), ctypes.byref(nxt))
+                                          float(temperature), ptr(x), ptr(qd), u.data_ptr(), uf, work.data_ptr(),
+                                          ctypes.byref(acc), ctypes.byref(nxt))
     if status:  # a needed row is not finite: give the random numbers back, PyTorch's path handles it
         if generator is not None:
             generator.set_state(state)
