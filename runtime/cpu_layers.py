@@ -32,7 +32,7 @@ import functools
 import torch
 
 from . import cpu_attention, cpu_gemv, cpu_verify
-from .native import AVX512_BF16, build
+from .native import AVX512_BF16, build, ptr
 
 __all__ = ["MAX_TOKENS", "argmax", "available", "eagle3_draft", "layer_table", "log_softmax", "rms_norm", "run_layers",
            "supports", "unavailable_reason"]
@@ -484,9 +484,9 @@ def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
         raise ValueError(f"block over {bw} columns for {n} new tokens after {past}")
     b8 = None if block is None or (n == 1 and not bw) else block.reshape(n, -1).to(torch.uint8).contiguous()
     status = lib.sf_layers(n, L, H, hq, hkv, D, intermediate, float(eps), float(scale), table.data_ptr(),
-                           None if xin is None else xin.data_ptr(), in_dim, x.data_ptr(), c.data_ptr(), s.data_ptr(),
+                           ptr(xin), in_dim, x.data_ptr(), c.data_ptr(), s.data_ptr(),
                            layer_kv.data_ptr(), layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(3), past,
-                           None if b8 is None else b8.data_ptr(), fl.data_ptr(), len(want), feats.data_ptr(),
+                           ptr(b8), fl.data_ptr(), len(want), feats.data_ptr(),
                            wb.data_ptr(), wf.data_ptr(), bw, int(keep))
     cpu_attention.check(status)
     return x.view(1, n, H), [(i, feats[:, j].unsqueeze(0)) for j, i in enumerate(want)]
@@ -553,7 +553,6 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
     feats = features.contiguous() if n else None
     cos, sin = cos.contiguous(), sin.contiguous()
     qids = ids.reshape(n).to(torch.long).contiguous() if n else None
-    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     sampled = temperature > 0
     if sampled and (uniforms is None or uniforms.dtype != torch.float64 or uniforms.numel() < depth):
         raise ValueError(f"sampling needs {depth} fp64 uniforms")

@@ -30,7 +30,7 @@ import functools
 import torch
 
 from . import cpu_attention
-from .native import AVX512_BF16, build
+from .native import AVX512_BF16, build, ptr
 
 __all__ = ["available", "sampling_chain"]
 
@@ -191,7 +191,6 @@ def sampling_chain(tokens: torch.Tensor, q: torch.Tensor | None, logits: torch.T
     uf = float(torch.rand(1, 1, generator=generator, dtype=torch.float64))
     work = torch.empty(2 * V, dtype=torch.float32)
     acc, nxt = ctypes.c_int64(), ctypes.c_int64()
-    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     status = lib.sf_verify_sampling_chain(logits.data_ptr(), int(logits.dtype == torch.bfloat16), V, k,
                                           float(temperature), ptr(x), ptr(qd), u.data_ptr(), uf, work.data_ptr(),
                                           ctypes.byref(acc), ctypes.byref(nxt))

@@ -46,6 +46,11 @@ static inline __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
 """
 
 
+def ptr(t) -> int | None:
+    """A tensor's address for a kernel's pointer argument, None (NULL) for an optional one not given."""
+    return None if t is None else t.data_ptr()
+
+
 def cpu_flags() -> set[str]:
     """This CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
     try:
