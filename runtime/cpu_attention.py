@@ -202,7 +202,7 @@ static inline __m512 exp512(__m512 x) {  /* x <= 0 */
     return _mm512_scalef_ps(p, n);
 }
 static inline __m512 wid(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-#define SF_ROWS_MAX 4  /* query rows per task */
+#define SF_ROWS_MAX 8  /* query rows per task */
 static inline void scores_row(const __m512bh *qb, const uint16_t *Kh, int D, int c0, int nc, float scale, float *dst) {
     __m512 v[16];
     if (nc == 16) {
@@ -232,6 +232,35 @@ static inline void scores_row(const __m512bh *qb, const uint16_t *Kh, int D, int
     __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(p0, p1, 0x88), _mm512_shuffle_f32x4(p0, p1, 0xDD));
     _mm512_store_ps(dst, _mm512_mul_ps(s, _mm512_set1_ps(scale)));
 }
+/* P rows' scores of one 16-column block of K stored transposed (Kb: [D/2 pairs][16 columns][2] bf16,
+   see sf_attn_rows): per pair of dimensions one K vector serves every row, each row's query pair is
+   broadcast, two sums per row (even and odd pairs, added at the end): no per-column reduction.
+   qp: the rows' queries as bf16 pairs, row r at qp + r * 128. Each column's sum runs in the same order
+   whatever P, so a row's scores are the same bits in any grouping. */
+#define SCORES_T(P)                                                                                  \
+static inline void scores_t##P(const uint32_t *qp, int D, const uint16_t *Kb, float scale, float *sc, int64_t WP, int c0) { \
+    __m512 a0[P], a1[P];                                                                             \
+    _Pragma("GCC unroll 8") for (int r = 0; r < P; r++) { a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); } \
+    for (int k = 0; k < D / 2; k += 2) {                                                             \
+        __m512bh k0 = (__m512bh)_mm512_loadu_si512(Kb + (int64_t)k * 32);                            \
+        __m512bh k1 = (__m512bh)_mm512_loadu_si512(Kb + (int64_t)k * 32 + 32);                       \
+        _Pragma("GCC unroll 8") for (int r = 0; r < P; r++) {                                        \
+            a0[r] = _mm512_dpbf16_ps(a0[r], (__m512bh)_mm512_set1_epi32((int)qp[r * 128 + k]), k0);   \
+            a1[r] = _mm512_dpbf16_ps(a1[r], (__m512bh)_mm512_set1_epi32((int)qp[r * 128 + k + 1]), k1); \
+        }                                                                                            \
+    }                                                                                                \
+    _Pragma("GCC unroll 8") for (int r = 0; r < P; r++)                                              \
+        _mm512_store_ps(sc + r * WP + c0, _mm512_mul_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_set1_ps(scale))); \
+}
+SCORES_T(1) SCORES_T(2) SCORES_T(3) SCORES_T(4) SCORES_T(5) SCORES_T(6) SCORES_T(7) SCORES_T(8)
+
+/* column c of one head's K row-major ([cap][D]) into its transposed copy Kt ([cap/16][D/2][16][2]) */
+static inline void kt_column(const uint16_t *K, uint16_t *Kt, int c, int D) {
+    const uint32_t *src = (const uint32_t *)(K + (int64_t)c * D);
+    uint32_t *dst = (uint32_t *)(Kt + (int64_t)(c / 16) * 16 * D) + c % 16;
+    for (int k = 0; k < D / 2; k++) dst[k * 16] = src[k];
+}
+
 /* sum_col p[r][col] * V[col] for G rows at once (KD = D / 16 vectors per V row); columns with p == 0 skipped per row */
 #define PV_GROUP(G, KD)                                                                              \
 static void pv##G##_##KD(float *const *sp, const uint16_t *Vh, int W, const float *inv, float *const *o) { \
@@ -280,14 +309,20 @@ static void pv_one(const float *sp, const uint16_t *Vh, int W, int D, float inv,
    widened V row feeds up to 4 rows at D = 64, 2 at D = 128: independent sums, not one latency-bound
    chain). Each query row's sums run in the same order whatever the grouping, so a token's output is
    the same bits in any step (measured 1.2-1.5x the one-task-per-query-head version at 1-8 tokens,
-   400-1000 columns: docs/results.md, twenty-fourth session). */
-int sf_attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int64_t s_slot, int64_t s_head,
-                  const int32_t *lens, const int32_t *counts, const int32_t *first, const uint8_t *blk, int nb,
-                  int B, int hq, int hkv, int D, float scale, float *out, int bw) {
+   400-1000 columns: docs/results.md, twenty-fourth session). Ktc (one sequence, B == 1; else NULL): the
+   same K also stored transposed per 16-column block, [hkv][cap/16][D/2][16][2] (head stride t_head
+   elements, every block of the W columns present): the scores then take one K vector per pair of
+   dimensions for all of a task's rows and need no per-column reduction (2x faster scores at 3-5 rows
+   over 700-1500 columns, docs/results.md, twenty-eighth session). */
+static int attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int64_t s_slot, int64_t s_head,
+                     const int32_t *lens, const int32_t *counts, const int32_t *first, const uint8_t *blk, int nb,
+                     int B, int hq, int hkv, int D, float scale, float *out, int bw, const uint16_t *Ktc, int64_t t_head) {
     int g = hq / hkv, failed = 0, rmax = 0;
     for (int b = 0; b < B; b++) rmax = g * counts[b] > rmax ? g * counts[b] : rmax;
     int np = (rmax + SF_ROWS_MAX - 1) / SF_ROWS_MAX, want = 2 * omp_get_max_threads();
-    if (B * hkv * np < want) np = rmax;  /* few tasks (one token, several threads): one query row each */
+    /* few tasks (one sequence, several threads): smaller parts, at least two tasks per thread */
+    if (B * hkv * np < want) np = (want + B * hkv - 1) / (B * hkv);
+    if (np > rmax) np = rmax;
     if (np < 1) np = 1;
     int ps = (rmax + np - 1) / np;
     _Pragma("omp parallel for schedule(dynamic, 1)")
@@ -305,17 +340,32 @@ int sf_attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int64_t
         if (!sc) { _Pragma("omp atomic write") failed = 1; continue; }
         int tt[SF_ROWS_MAX], hh[SF_ROWS_MAX];
         __m512bh qb[SF_ROWS_MAX][8];  /* each row's query as bf16 pairs, converted once */
+        uint32_t qpair[SF_ROWS_MAX][128];  /* the same pairs in memory, broadcast one by one (Ktc) */
         for (int r = 0; r < P; r++) {
             tt[r] = (r0 + r) / g; hh[r] = h * g + (r0 + r) % g;
             const float *qr = qb0 + ((int64_t)tt[r] * hq + hh[r]) * D;
             for (int k = 0; k < D / 32; k++)
                 qb[r][k] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr + 32 * k + 16), _mm512_loadu_ps(qr + 32 * k));
+            if (Ktc) for (int k = 0; k < D / 32; k++) _mm512_storeu_si512(qpair[r] + 16 * k, (__m512i)qb[r][k]);
         }
         for (int c0 = 0; c0 < W; c0 += 16) {
             int nc = W - c0 < 16 ? W - c0 : 16;
+            if (Ktc) {  /* columns past W in the last block are masked below */
+                const uint16_t *Kb = Ktc + h * t_head + (int64_t)c0 * D;
+                switch (P) {
+                case 1: scores_t1(qpair[0], D, Kb, scale, sc, WP, c0); break;
+                case 2: scores_t2(qpair[0], D, Kb, scale, sc, WP, c0); break;
+                case 3: scores_t3(qpair[0], D, Kb, scale, sc, WP, c0); break;
+                case 4: scores_t4(qpair[0], D, Kb, scale, sc, WP, c0); break;
+                case 5: scores_t5(qpair[0], D, Kb, scale, sc, WP, c0); break;
+                case 6: scores_t6(qpair[0], D, Kb, scale, sc, WP, c0); break;
+                case 7: scores_t7(qpair[0], D, Kb, scale, sc, WP, c0); break;
+                default: scores_t8(qpair[0], D, Kb, scale, sc, WP, c0);
+                }
+            }
             for (int r = 0; r < P; r++) {
                 float *sp = sc + (int64_t)r * WP;
-                scores_row(qb[r], Kh, D, c0, nc, scale, sp + c0);
+                if (!Ktc) scores_row(qb[r], Kh, D, c0, nc, scale, sp + c0);
                 if (c0 + 16 > L)
                     for (int j = 0; j < 16; j++) {
                         int col = c0 + j, t = tt[r];
@@ -354,6 +404,11 @@ int sf_attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int64_t
         free(sc);
     }
     return failed;
+}
+int sf_attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int64_t s_slot, int64_t s_head,
+                  const int32_t *lens, const int32_t *counts, const int32_t *first, const uint8_t *blk, int nb,
+                  int B, int hq, int hkv, int D, float scale, float *out, int bw) {
+    return attn_rows(q, Kc, Vc, s_slot, s_head, lens, counts, first, blk, nb, B, hq, hkv, D, scale, out, bw, 0, 0);
 }
 """
 

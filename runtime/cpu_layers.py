@@ -110,12 +110,15 @@ static inline __m512 rope16(const uint16_t *h, const uint16_t *c, const uint16_t
    further; the new tokens' entries written at past..past+n-1; blk [n][n] (uint8) which new
    columns each token sees, 0 = causal (bw > 0: blk [n][bw] over the last bw columns, earlier drafts
    of a head's tree included); feats [n][nf][H] gets x at the input of layer fl[f]. wb
-   (bf16) and wf (fp32) are work buffers (sizes: run_layers). 0, or 1 when the attention's work buffer
-   could not be allocated (the step is then void). */
+   (bf16) and wf (fp32) are work buffers (sizes: run_layers). kt (or NULL): K also stored transposed per
+   16-column block for the attention's scores (layer l, head h at kt + l * t_layer + h * t_head, see
+   sf_attn_rows); its columns kt_from..past+n-1 are written here from K, the new ones included. 0, or 1
+   when the attention's work buffer could not be allocated (the step is then void). */
 int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, float scale, const int64_t *wp,
                const uint16_t *xin, int in_dim, uint16_t *x, const uint16_t *cs, const uint16_t *sn, uint16_t *kv,
                int64_t s_layer, int64_t s_kv, int64_t s_head, int past, const uint8_t *blk, const int32_t *fl,
-               int nf, uint16_t *feats, uint16_t *wb, float *wf, int bw, int keep) {
+               int nf, uint16_t *feats, uint16_t *wb, float *wf, int bw, int keep,
+               uint16_t *kt, int64_t t_layer, int64_t t_head, int kt_from) {
     int nqkv = (hq + 2 * hkv) * D, wide = in_dim > H ? in_dim : H;
     uint16_t *h = wb, *qkv = h + (int64_t)n * wide, *ao = qkv + (int64_t)n * nqkv, *o = ao + (int64_t)n * hq * D;
     uint16_t *gu = o + (int64_t)n * H, *m = gu + (int64_t)n * 2 * I;
@@ -143,7 +146,15 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
                 for (int d = 0; d < D; d++) vr[d] = row[(hq + hkv + hh) * D + d];
             }
         }
-        if (sf_attn_rows(qf, K, V, 0, s_head, &lens, &counts, &first, blk, bw ? bw : n, 1, hq, hkv, D, scale, of, bw))
+        uint16_t *Kt = kt ? kt + l * t_layer : 0;
+        if (Kt) {  /* the columns not yet transposed: after a prompt's prefill many (split by head), then the few new */
+            int cols = past + n - kt_from;
+            _Pragma("omp parallel for if (cols * hkv > 512)")
+            for (int hh = 0; hh < hkv; hh++)
+                for (int c = kt_from; c < past + n; c++) kt_column(K + hh * s_head, Kt + hh * t_head, c, D);
+        }
+        if (attn_rows(qf, K, V, 0, s_head, &lens, &counts, &first, blk, bw ? bw : n, 1, hq, hkv, D, scale, of, bw,
+                      Kt, t_head))
             return 1;
         for (int64_t i = 0; i < (int64_t)n * hq * D; i += 16) st16(ao + i, _mm512_loadu_ps(of + i));
         sf_gemv_dpbf16(ao, (const uint16_t *)p[3], 0, o, n, hq * D, H, keep);
@@ -258,7 +269,7 @@ static int eagle3_tree(int depth, int k, int budget, const uint16_t *h, const in
         int W = S + ne;
         for (int e = 0; e < ne; e++) for (int c = 0; c < W; c++) blk[(size_t)e * W + c] = nrows[(size_t)e * Smax + c];
         if (sf_layers(ne, 1, H, hq, hkv, D, I, eps, scale, wp, xin, 2 * H, xs, csb, snb, kv, 0, s_kv, s_head, past + S,
-                      ne == 1 && S == 0 ? 0 : blk, 0, 0, 0, wb, wf, S ? W : 0, keep))
+                      ne == 1 && S == 0 ? 0 : blk, 0, 0, 0, wb, wf, S ? W : 0, keep, 0, 0, 0, 0))
             goto done;
         for (int e = 0; e < ne; e++) {
             for (int i = 0; i < H; i++) fh[(int64_t)e * H + i] = xs[(int64_t)e * H + i];
@@ -317,7 +328,7 @@ int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, co
             norm_rows(x + (int64_t)t * H, hnw, xin + (int64_t)t * 2 * H + H, 1, H, eps);
         }
         if (sf_layers(n, 1, H, hq, hkv, D, I, eps, scale, wp, xin, 2 * H, x, cs, sn, kv, 0, s_kv, s_head, past,
-                      0, 0, 0, 0, wb, wf, 0, keep))
+                      0, 0, 0, 0, wb, wf, 0, keep, 0, 0, 0, 0))
             return 1;
         for (int i = 0; i < H; i++) h[i] = x[(int64_t)(n - 1) * H + i];
         past += n; cs += (int64_t)n * D; sn += (int64_t)n * D;
@@ -344,7 +355,7 @@ int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, co
         norm_rows(emb + tokens[d] * H, inw, xin, 1, H, eps);
         norm_rows(h, hnw, xin + H, 1, H, eps);
         if (sf_layers(1, 1, H, hq, hkv, D, I, eps, scale, wp, xin, 2 * H, h, cs + (int64_t)d * D, sn + (int64_t)d * D,
-                      kv, 0, s_kv, s_head, past + d, 0, 0, 0, 0, wb, wf, 0, keep))
+                      kv, 0, s_kv, s_head, past + d, 0, 0, 0, 0, wb, wf, 0, keep, 0, 0, 0, 0))
             return 1;
     }
     return 0;
@@ -357,7 +368,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     # one library: the few-row product and the attention kernel are compiled in with the layer loop
     source = cpu_gemv._SOURCE_BF16 + cpu_attention._SOURCE_DECODE + cpu_verify._SOURCE + _LAYER
-    args = [i32] * 7 + [f32, f32, p, p, i32, p, p, p, p, i64, i64, i64, i32, p, p, i32, p, p, p, i32, i32]
+    args = [i32] * 7 + [f32, f32, p, p, i32, p, p, p, p, i64, i64, i64, i32, p, p, i32, p, p, p, i32, i32] \
+        + [p, i64, i64, i32]
     draft = [i32, p, p, i32, p, p, i32, p, p, p, p, p, i32, p, p] + [i32] * 5 + [f32, f32, p, i64, i64, i32] + [p] * 7 \
         + [i32, f32, p, p, i32, i32, p, p]
     fns = {"sf_layers": args, "sf_rms_norm": [p, p, p, i64, i32, f32, i32], "sf_argmax_bf16": [p, i64, i64, p],
@@ -447,15 +459,18 @@ def _layer_list(want: tuple[int, ...]) -> torch.Tensor:
 def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor,
                past: int, block: torch.Tensor | None, *, heads: tuple[int, int], intermediate: int, eps: float,
                scale: float, feature_layers: tuple[int, ...] = (), xin: torch.Tensor | None = None,
-               keep: bool = False) -> tuple[torch.Tensor, list]:
+               keep: bool = False, keys_t: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, list]:
     """The layers of ``table`` over the residual stream ``x`` ``[1, n, H]`` (bf16; a new tensor is
     returned, ``x`` is not changed): ``cos``/``sin`` ``[1, n, 1, D]``; ``layer_kv`` the cache
     ``[L, 2, 1, hkv, capacity, D]`` (the new K/V written at ``past``); ``block`` ``[1, n, k]`` bool over
     the last ``k`` columns, the ``n`` new ones included (``k > n``: a drafting head's tree), everything
     before them visible, or None (causal); ``heads`` ``(hq, hkv)``. ``xin`` ``[1, n, in]``: the first layer's attention
     input when its table row has no input norm (an EAGLE-3 head's 2H-wide input). ``keep``: the
-    weights are read again every step (a head's): see :func:`.cpu_gemv.gemv_bf16`. Returns (x after
-    the layers, ``[(i, x at the input of layer i)]`` for ``feature_layers`` below ``L``)."""
+    weights are read again every step (a head's): see :func:`.cpu_gemv.gemv_bf16`. ``keys_t``: (K also
+    stored transposed per 16-column block, ``[L, hkv, capacity, D]`` as
+    :meth:`.kvcache.StaticKVCache.transposed_keys` keeps it, the first column it does not hold yet): the
+    attention scores against it, and its columns from there through the new ones are written first.
+    Returns (x after the layers, ``[(i, x at the input of layer i)]`` for ``feature_layers`` below ``L``)."""
     lib = _load()[0]
     if lib is None:
         raise RuntimeError(f"the layer kernel is unavailable: {unavailable_reason()}")
@@ -483,11 +498,17 @@ def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
     if bw and not n < bw <= past + n:
         raise ValueError(f"block over {bw} columns for {n} new tokens after {past}")
     b8 = None if block is None or (n == 1 and not bw) else block.reshape(n, -1).to(torch.uint8).contiguous()
+    kt, kt_from = keys_t if keys_t is not None else (None, 0)
+    if kt is not None and (kt.shape[0] != L or kt.shape[-1] != D or kt.shape[-2] < (past + n + 15) // 16 * 16
+                           or kt.dtype != torch.bfloat16 or not kt.is_contiguous() or not 0 <= kt_from <= past):
+        raise ValueError(f"transposed keys {tuple(kt.shape)} (from column {kt_from}) do not fit {L} layers, "
+                         f"{past} + {n} entries")
     status = lib.sf_layers(n, L, H, hq, hkv, D, intermediate, float(eps), float(scale), table.data_ptr(),
                            ptr(xin), in_dim, x.data_ptr(), c.data_ptr(), s.data_ptr(),
                            layer_kv.data_ptr(), layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(3), past,
                            ptr(b8), fl.data_ptr(), len(want), feats.data_ptr(),
-                           wb.data_ptr(), wf.data_ptr(), bw, int(keep))
+                           wb.data_ptr(), wf.data_ptr(), bw, int(keep), ptr(kt),
+                           0 if kt is None else kt.stride(0), 0 if kt is None else kt.stride(1), kt_from)
     cpu_attention.check(status)
     return x.view(1, n, H), [(i, feats[:, j].unsqueeze(0)) for j, i in enumerate(want)]
 

@@ -535,7 +535,11 @@ class LlamaEngine:
         table = self._layer_table(B, n, tree_mask, kv)
         if table is not None:
             # one C call for all layers (AVX-512 BF16): no PyTorch ops between the kernels
-            x, feats = self.kernel_layers(table, input_ids, cos, sin, kv, past, tree_mask, feature_layers)
+            # K also kept transposed for the kernel's scores (2x faster at 3-5 rows over long contexts)
+            keys_t = cache.transposed_keys() if isinstance(cache, StaticKVCache) else None
+            x, feats = self.kernel_layers(table, input_ids, cos, sin, kv, past, tree_mask, feature_layers, keys_t)
+            if keys_t is not None:
+                cache.keys_transposed_to(past)
         elif (tree_mask is None or tree_mask.shape[-1] == n) and cpu_attention.decode_supports(kv[0], B, n):
             # one sequence's decode or verification step on the AVX-512 BF16 kernel: 1.6-2.6x faster
             # than SDPA here for 1-8 tokens (docs/results.md, twenty-second session); no mask to build
@@ -570,13 +574,15 @@ class LlamaEngine:
 
     def kernel_layers(self, table: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       kv: torch.Tensor, past: int, tree_mask: torch.Tensor | None,
-                      feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, list]:
+                      feature_layers: tuple[int, ...], keys_t: tuple[torch.Tensor, int] | None = None
+                      ) -> tuple[torch.Tensor, list]:
         """:meth:`run_layers` for one sequence on the layer kernel (``table`` from :meth:`_layer_table`;
-        ``kv`` ``[L, 2, 1, hkv, capacity, D]``, the new tokens written at ``past``)."""
+        ``kv`` ``[L, 2, 1, hkv, capacity, D]``, the new tokens written at ``past``; ``keys_t``: see
+        :func:`.cpu_layers.run_layers`)."""
         return cpu_layers.run_layers(
             table, F.embedding(input_ids.to(self.device), self.embed), cos, sin, kv, past, tree_mask,
             heads=(self.hq, self.hkv), intermediate=self.layers[0]["w_down"].shape[1], eps=self.eps,
-            scale=self.scale, feature_layers=feature_layers)
+            scale=self.scale, feature_layers=feature_layers, keys_t=keys_t)
 
     def run_layers(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention,
                    feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list]:

@@ -142,6 +142,8 @@ class StaticKVCache:
         self.kv = self._empty(capacity, dtype, device)
         self.length = 0
         self._pending = 0
+        self._kt: torch.Tensor | None = None  # K transposed per 16-column block (transposed_keys)
+        self._kt_valid = 0  # its leading columns that still match K
 
     @torch.inference_mode()
     def _empty(self, capacity: int, dtype, device) -> torch.Tensor:
@@ -154,6 +156,7 @@ class StaticKVCache:
         self.shape = (*self.shape[:2], batch, *self.shape[3:])
         self.batch = batch
         self.kv = self._empty(self.capacity, self.kv.dtype, self.kv.device)
+        self._kt = None
 
     @property
     def capacity(self) -> int:
@@ -168,6 +171,28 @@ class StaticKVCache:
         with torch.inference_mode():
             kv[..., : self.length, :].copy_(self.kv[..., : self.length, :])
         self.kv = kv
+
+    def transposed_keys(self) -> tuple[torch.Tensor, int]:
+        """For the CPU layer kernel (:func:`.cpu_layers.run_layers`, one sequence): K also stored transposed
+        per 16-column block, ``[layers, kv_heads, capacity rounded up to 16, head_dim]`` bf16 (the kernel
+        reads each head's columns as ``[capacity / 16][head_dim / 2][16][2]``: the attention's scores then
+        need no per-column reduction), and how many leading columns already match K. Allocated on first
+        use (a regrown cache starts it again); the caller writes it from there through its new entries
+        and then records the committed length it holds with :meth:`keys_transposed_to`."""
+        L, _, B, hkv, _, D = self.shape
+        cap16 = (self.capacity + 15) // 16 * 16
+        if B != 1 or self.kv.dtype != torch.bfloat16 or self.kv.device.type != "cpu":
+            raise ValueError(f"transposed keys are kept for one CPU bf16 sequence, not batch {B} {self.kv.dtype} "
+                             f"on {self.kv.device}")
+        if self._kt is None or self._kt.shape[2] < cap16:
+            self._kt = torch.empty(L, hkv, cap16, D, dtype=torch.bfloat16)
+            self._kt_valid = 0
+        return self._kt, min(self._kt_valid, self.length)
+
+    def keys_transposed_to(self, length: int) -> None:
+        """The transposed keys' first ``length`` columns match K (only committed entries count: a
+        commit moves pending ones, a crop drops some)."""
+        self._kt_valid = min(length, self.length)
 
     def check_ready(self) -> None:
         if self._pending:
@@ -203,3 +228,4 @@ class StaticKVCache:
     def crop(self, length: int) -> None:
         self._pending = 0
         self.length = min(self.length, length)
+        self._kt_valid = min(self._kt_valid, self.length)

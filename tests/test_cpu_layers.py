@@ -89,6 +89,60 @@ def test_greedy_speculation_equals_plain_through_it(monkeypatch):
     assert_greedy_speculation_is_plain(target, [("eagle3", {"depth": 3})], vocab=96, near_ties=True)
 
 
+def _row_major(kt: torch.Tensor) -> torch.Tensor:
+    """The cache's transposed keys ``[L, hkv, cap, D]`` (per head ``[cap/16][D/2][16][2]``) as K's rows."""
+    L, h, cap, D = kt.shape
+    return kt.view(L, h, cap // 16, D // 2, 16, 2).permute(0, 1, 2, 4, 3, 5).reshape(L, h, cap, D)
+
+
+def test_the_transposed_keys_follow_the_cache(monkeypatch):
+    """The kernel's scores read K stored transposed per 16-column block; that copy follows K through a
+    prefill on another path, plain steps, a tree whose kept entries move, a crop refilled on another
+    path, a regrown cache,
+    and a step on it gives the logits of a step on a fresh cache (where the whole copy is written anew)."""
+    target = _target()
+    calls = _spy(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    cache = target.new_cache(capacity=48)
+    target.forward(torch.randint(0, 96, (1, 30), generator=g), cache)  # 30 tokens: the many-row path
+    cache.commit()
+    assert cache._kt is None and not calls
+
+    def step(n, keep=None, tree=None):
+        past = cache.length
+        toks = torch.randint(0, 96, (1, n), generator=g)
+        pos = None if tree is None else past + tree_depths(tree)
+        out = target.forward(toks, cache, position_ids=pos, tree_mask=None if tree is None else ancestor_matrix(tree))
+        kt, held = cache.transposed_keys()
+        assert held == past and cache.capacity <= kt.shape[2]  # the committed columns, all of them
+        k = cache.kv[:, 0, 0]
+        assert torch.equal(_row_major(kt)[:, :, : past + n], k[:, :, : past + n])  # the new ones too
+        cache.commit(keep)
+        return toks, out
+
+    for _ in range(3):
+        step(1)
+    step(5, keep=[0, 2, 4], tree=torch.tensor([[-1, 0, 0, 2, 2]]))  # kept entries 2 and 4 move
+    step(1)
+    cache.crop(cache.length - 4)
+    target.forward(torch.randint(0, 96, (1, 9), generator=g), cache)  # the many-row path over the cropped columns
+    cache.commit()
+    step(3)
+    while cache.capacity == 48:  # past the capacity: K is copied into a larger tensor, the copy restarts
+        step(8)
+    toks, out = step(4)
+    assert len(calls) == 8 and all(1 <= n <= 8 for n in calls)
+    fresh = target.new_cache(capacity=cache.capacity)
+    prefix = cache.length - 4
+    with torch.inference_mode():
+        fresh.kv[..., :prefix, :] = cache.kv[..., :prefix, :]
+    fresh.length = prefix
+    again = target.forward(toks, fresh)
+    assert torch.equal(out.logits, again.logits)
+    with pytest.raises(ValueError, match="one CPU bf16 sequence"):
+        target.new_cache(batch=2, capacity=8).transposed_keys()
+
+
 def test_eagle3_head_step_equals_the_op_by_op_step(monkeypatch):
     from specfoundry.runtime.speculators.eagle import _EagleBase
 
@@ -231,6 +285,10 @@ def test_bad_inputs_are_refused():
         cpu_layers.run_layers(eng._layer_table(1, 3, None, cache.kv), x, cos, sin, cache.kv, 8, None, **kw)
     with pytest.raises(ValueError, match="does not fit"):
         cpu_layers.run_layers(cpu_layers.layer_table([w]), x, cos, sin, cache.kv, 0, None, **kw)
+    small = torch.empty(len(eng.layers), eng.hkv, 0, eng.head_dim, dtype=torch.bfloat16)  # no room for 3 columns
+    with pytest.raises(ValueError, match="transposed keys"):
+        cpu_layers.run_layers(eng._layer_table(1, 3, None, cache.kv), x, cos, sin, cache.kv, 0, None, **kw,
+                              keys_t=(small, 0))
     assert not cpu_layers.supports(128, 256, 32, torch.float32, 1)
     assert not cpu_layers.supports(128, 256, 32, torch.bfloat16, cpu_layers.MAX_TOKENS + 1)
     assert not cpu_layers.supports(100, 256, 32, torch.bfloat16, 1)
