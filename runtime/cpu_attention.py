@@ -336,7 +336,8 @@ static int attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int
         const uint8_t *block = blk ? blk + (int64_t)b * nb * nb : 0;
         const float *qb0 = q + (int64_t)first[b] * hq * D;
         float *ob0 = out + (int64_t)first[b] * hq * D;
-        float *sc = (float *)aligned_alloc(64, sizeof(float) * (size_t)P * WP);
+        int TL = (16 + W - L + 15) / 16 * 16;  /* the softmax sum's tail, in a plain step's order (below) */
+        float *sc = (float *)aligned_alloc(64, sizeof(float) * ((size_t)P * WP + TL));
         if (!sc) { _Pragma("omp atomic write") failed = 1; continue; }
         int tt[SF_ROWS_MAX], hh[SF_ROWS_MAX];
         __m512bh qb[SF_ROWS_MAX][8];  /* each row's query as bf16 pairs, converted once */
@@ -380,13 +381,25 @@ static int attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int
             for (int j = 0; j < WP; j += 16) m = _mm512_max_ps(m, _mm512_load_ps(sp + j));
             float mx = _mm512_reduce_max_ps(m);
             __m512 mv = _mm512_set1_ps(mx), tot = _mm512_setzero_ps(), ninf = _mm512_set1_ps(-INFINITY);
+            int Lb = L / 16 * 16, t = tt[r], k = 0;
             for (int j = 0; j < WP; j += 16) {
                 __m512 x = _mm512_load_ps(sp + j);
                 __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
                 __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, mv)));
                 _mm512_store_ps(sp + j, e);
-                tot = _mm512_add_ps(tot, e);
+                if (j < Lb) tot = _mm512_add_ps(tot, e);
             }
+            /* the rest of the sum over the columns a plain step at this token's position sees, in its
+               lanes and order: the prefix's last partial block, then the visible new columns (a tree's
+               ancestors and the node itself) moved next to it, as the commit will put them. So a tree
+               node's sum (and P V, whose nonzero terms already run in that order) is a plain step's,
+               bit for bit (an earlier kernel summed in cache order: a tree's bf16 near-ties). */
+            float *tl = sc + (int64_t)P * WP;
+            for (int c = Lb; c < L; c++) tl[k++] = sp[c];
+            for (int c = L; c < W; c++)
+                if (block ? block[t * nb + (c - L)] : (c - L) <= t) tl[k++] = sp[c];
+            for (; k % 16; k++) tl[k] = 0.0f;
+            for (int j = 0; j < k; j += 16) tot = _mm512_add_ps(tot, _mm512_load_ps(tl + j));
             inv[r] = 1.0f / _mm512_reduce_add_ps(tot);
             sps[r] = sp;
             os[r] = ob0 + ((int64_t)tt[r] * hq + hh[r]) * D;
@@ -468,7 +481,8 @@ def decode_attention(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     ``k``/``v`` ``[1, n, hkv, D]`` at ``past``, attends ``q`` ``[1, n, hq, D]`` over the first
     ``past`` columns and, among the new ones, what ``block`` ``[1, n, n]`` allows (None: causal).
     Each query row is computed alone (its own scores, softmax and sum; masked columns weigh exactly
-    0), so a chain's token gets the same bits as when it is decoded alone after the commit (tested);
+    0, the softmax sum runs over the visible columns in a plain step's order), so a chain's token or a
+    tree's node gets the same bits as when it is decoded alone after the commit (tested);
     equal to SDPA within bf16 rounding, measured closer to float64 than SDPA's."""
     lib = _load_decode()[0]
     n, hq, D = q.shape[1], q.shape[2], q.shape[3]

@@ -1,6 +1,6 @@
 """One sequence's AVX-512 BF16 decode/verification attention (runtime/cpu_attention.py
 decode_attention): equal to float64 attention within bf16 rounding for random trees, closer than
-SDPA; a chain token's output the same bits as when decoded alone after the commit; the engine's
+SDPA; a chain token's or a tree node's output the same bits as when decoded alone after the commit; the engine's
 forward takes it for a bf16 batch-1 step and its logits stay those of the SDPA path. Not run on
 CPUs without avx512_bf16 (the engine keeps SDPA there)."""
 
@@ -102,6 +102,43 @@ def test_a_chain_tokens_output_is_the_same_bits_alone():
         assert torch.equal(alone[0, 0], together[0, t])
 
 
+def _rows_fp32(layer, q, k, v, past, block, scale):
+    """decode_attention's kernel call with its float32 output (before the rounding to the cache dtype)."""
+    import ctypes
+    n, hq, D = q.shape[1:]
+    layer[0, 0, :, past: past + n].copy_(k[0].transpose(0, 1))
+    layer[1, 0, :, past: past + n].copy_(v[0].transpose(0, 1))
+    out, qf = torch.empty(n, hq, D), q[0].float().contiguous()
+    b8 = None if block is None else block.reshape(n, n).to(torch.uint8).contiguous()
+    i32 = [ctypes.c_int32(x) for x in (past, n, 0)]
+    cpu_attention.check(cpu_attention._load_decode()[0].sf_attn_rows(
+        qf.data_ptr(), layer[0].data_ptr(), layer[1].data_ptr(), layer[0].stride(0),
+        layer[0].stride(1), *(ctypes.addressof(x) for x in i32), None if b8 is None else b8.data_ptr(), n, 1, hq,
+        layer.shape[2], D, scale, out.data_ptr(), 0))
+    return out
+
+
+@pytest.mark.parametrize("past", [16, 29, 50])
+def test_a_tree_nodes_output_is_the_same_bits_as_after_the_commit(past):
+    # a tree verified in one step (its nodes at slots past.., each seeing its ancestors' slots), then
+    # each node's path put in place as the commit does and attended as a chain: the softmax sum runs
+    # over the columns in a plain step's order, so every node's float32 output is the same bits
+    g = torch.Generator().manual_seed(past)
+    hq, hkv, D, n = 9, 3, 64, 8
+    layer = (3 * torch.randn(2, 1, hkv, past + n + 16, D, generator=g)).bfloat16()  # peaked scores
+    q = (3 * torch.randn(1, n, hq, D, generator=g)).bfloat16()
+    k, v = (3 * torch.randn(2, 1, n, hkv, D, generator=g)).bfloat16()
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 2, 4, 5]])
+    tree = _rows_fp32(layer.clone(), q, k, v, past, ancestor_matrix(parents), D ** -0.5)
+    for node in range(n):
+        path = [node]
+        while parents[0, path[-1]] >= 0:
+            path.append(int(parents[0, path[-1]]))
+        path = path[::-1]
+        chain = _rows_fp32(layer.clone(), q[:, path], k[:, path], v[:, path], past, None, D ** -0.5)
+        assert torch.equal(chain[-1], tree[node]), (past, node, path)
+
+
 def test_decode_support_is_refused_outside_its_scope():
     ok = torch.zeros(2, 1, 3, 40, 64, dtype=torch.bfloat16)
     assert cpu_attention.decode_supports(ok, 1, 1) and cpu_attention.decode_supports(ok, 1, cpu_attention.DECODE_MAX_TOKENS)
@@ -150,12 +187,14 @@ def test_speculative_greedy_equals_plain_through_the_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("layer_kernel", [False, True], ids=["op-by-op", "layer-kernel"])
-def test_chains_stay_exact_on_a_peaked_bf16_target(layer_kernel):
+def test_chains_and_trees_stay_exact_on_a_peaked_bf16_target(layer_kernel):
     # large-init bf16 weights (peaked logits, big activations: near-ties happen): with the products on
-    # the per-row kernel and attention on this one, a chain's tokens get a plain step's bits, so greedy
-    # chains (n-gram, EAGLE-3) stay exact. Trees are not claimed: their nodes sit at other cache
-    # positions than after the commit, the sums run in another order, and bf16 near-ties are judged
-    # by the float32 check (runtime/lossless.py), as everywhere else
+    # the per-row kernel and attention on this one, a chain's tokens and a tree's nodes get a plain
+    # step's bits (a node's softmax sum runs over its columns in a plain step's order, though it sits at
+    # another cache position than after the commit), so greedy chains (n-gram, EAGLE-3) and EAGLE-3
+    # trees of up to 8 nodes (the layer kernel's step) stay exact. Larger trees run the op-by-op
+    # forward (PyTorch's SiLU, not the kernel's): there bf16 near-ties are judged by the float32 check
+    # (runtime/lossless.py)
     from specfoundry.runtime import cpu_gemv
     from specfoundry.runtime.engine import LlamaEngine
 
@@ -166,5 +205,6 @@ def test_chains_stay_exact_on_a_peaked_bf16_target(layer_kernel):
     target = tiny_llama(2, vocab=96, hidden=128, layers=2, dtype=torch.bfloat16)  # init std 0.5
     target.engine = LlamaEngine(target.model, kernels=("avx512bf16", "avx512bf16", "avx512bf16"))
     target.engine.use_layer_kernel = layer_kernel  # both forwards: op by op, and all layers in one C call
-    assert_greedy_speculation_is_plain(target, [("ngram", {}), ("eagle3", {"tree": "chain", "depth": 3})],
+    assert_greedy_speculation_is_plain(target, [("ngram", {}), ("eagle3", {"tree": "chain", "depth": 3}),
+                                                ("eagle3", {"depth": 3, "total_tokens": 8})],
                                        vocab=96, prompts=8, seed=2)
