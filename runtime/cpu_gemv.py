@@ -91,8 +91,11 @@ _SOURCE_BF16 = r"""
    4-token verification cost 1.14-1.28x a plain step, with T1 0.94-1.05x. Plain decoding with T1:
    as fast at 2 threads, ~6% faster at 1 (paired runs); the default head's tree@2/4 on Spec-Bench
    1.27x / 1.45x plain at 2 / 1 threads where NTA gave 1.15x / 1.12x (docs/results.md,
-   twenty-fifth session). */
+   twenty-fifth session). One row of x (a plain decode step) streams fastest with the prefetch 2048
+   elements ahead: SmolLM2-135M's matrices 4-12% faster than at 4096 on a 2-core Zen 5 EPYC at 1 and 2
+   threads, while 2-5 rows lose 10-35% at 512-2048 (twenty-eighth session). */
 #define SF_PF 4096
+#define SF_PF1 2048
 #define SF_PF_HINT _MM_HINT_T1
 #include <stdint.h>
 
@@ -111,7 +114,7 @@ static inline float from_bf16(uint16_t h) { union { uint32_t u; float f; } v = {
    slower (1.2-2.6x at 1-4 rows). */
 #define ROWS(N)                                                                                      \
 static void rows##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int in, \
-                    int out, int o0, int o1, int keep) {                                            \
+                    int out, int o0, int o1, int pf) {                                              \
     int tail = in % 32, body = in - tail;                                                          \
     __mmask32 m = (__mmask32)((1ull << tail) - 1);                                                  \
     for (int o = o0; o < o1; o++) {                                                                \
@@ -122,9 +125,9 @@ static void rows##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
         }                                                                                          \
         int i = 0;                                                                                 \
         for (; i + 64 <= body; i += 64) {                                                          \
-            if (!keep) {                                                                           \
-                _mm_prefetch((const char *)(wr + i + SF_PF), SF_PF_HINT);                       \
-                _mm_prefetch((const char *)(wr + i + SF_PF + 32), SF_PF_HINT);                  \
+            if (pf) {                                                                              \
+                _mm_prefetch((const char *)(wr + i + pf), SF_PF_HINT);                          \
+                _mm_prefetch((const char *)(wr + i + pf + 32), SF_PF_HINT);                     \
             }                                                                                      \
             __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + i);                                   \
             __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + i + 32);                              \
@@ -162,12 +165,13 @@ static const rows_fn ROWS_FN[9] = {0, rows1, rows2, rows3, rows4, rows5, rows6, 
    read from the caches, not streamed) */
 void sf_gemv_dpbf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int n, int in, int out,
                     int keep) {
+    int pf = keep ? 0 : n == 1 ? SF_PF1 : SF_PF;  /* how far ahead the weights are prefetched (0: not) */
     _Pragma("omp parallel for schedule(static)")
     for (int c = 0; c < (out + 31) / 32; c++) {
         int o0 = c * 32, o1 = o0 + 32 < out ? o0 + 32 : out;
         for (int r0 = 0; r0 < n; r0 += 8) {
             int k = n - r0 < 8 ? n - r0 : 8;
-            ROWS_FN[k](x + (int64_t)r0 * in, w, bias, y + (int64_t)r0 * out, in, out, o0, o1, keep);
+            ROWS_FN[k](x + (int64_t)r0 * in, w, bias, y + (int64_t)r0 * out, in, out, o0, o1, pf);
         }
     }
 }
