@@ -111,7 +111,7 @@ static inline float from_bf16(uint16_t h) { union { uint32_t u; float f; } v = {
    arrays, loops of constant bounds, so the loops unroll and the sums stay in registers). Two sums
    per row (even and odd blocks of 32 inputs: two independent chains hide the instruction's
    latency), added at the end: the same order for every N. Several weight rows per pass measured
-   slower (1.2-2.6x at 1-4 rows). */
+   slower (1.2-2.6x at 1-4 rows), except two at 4-5 rows (ROWS2 below). */
 #define ROWS(N)                                                                                      \
 static void rows##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int in, \
                     int out, int o0, int o1, int pf) {                                              \
@@ -157,8 +157,67 @@ static void rows##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
 }
 ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 
+/* 4-5 rows of x: two weight rows per pass, each x vector loaded once for both (at 4-5 rows one weight
+   row per pass is bound by its instructions, 10 vdpbf16ps + 10 loads per 128 weight bytes: SmolLM2's
+   matrices 5-6% faster at 2 threads, ~3% at 1; 2-3 rows gain nothing, 6 lose 2.5% (spills), twenty-
+   eighth session). Per output the same sums in the same order as ROWS(N): the same bits. */
+#define ROWS2(N)                                                                                     \
+static void rows2w##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int in, \
+                    int out, int o0, int o1, int pf) {                                              \
+    int tail = in % 32, body = in - tail;                                                          \
+    __mmask32 m = (__mmask32)((1ull << tail) - 1);                                                  \
+    int o = o0;                                                                                    \
+    for (; o + 1 < o1; o += 2) {                                                                   \
+        const uint16_t *wa = w + (int64_t)o * in, *wb2 = wa + in;                                  \
+        __m512 a0[N], a1[N], b0[N], b1[N];                                                         \
+        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                      \
+            a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); b0[r] = _mm512_setzero_ps(); b1[r] = _mm512_setzero_ps(); \
+        }                                                                                          \
+        int i = 0;                                                                                 \
+        for (; i + 64 <= body; i += 64) {                                                          \
+            if (pf) {                                                                              \
+                _mm_prefetch((const char *)(wa + i + pf), SF_PF_HINT);                          \
+                _mm_prefetch((const char *)(wa + i + pf + 32), SF_PF_HINT);                     \
+                _mm_prefetch((const char *)(wb2 + i + pf), SF_PF_HINT);                         \
+                _mm_prefetch((const char *)(wb2 + i + pf + 32), SF_PF_HINT);                    \
+            }                                                                                      \
+            __m512bh wa0 = (__m512bh)_mm512_loadu_si512(wa + i), wa1 = (__m512bh)_mm512_loadu_si512(wa + i + 32); \
+            __m512bh wb0 = (__m512bh)_mm512_loadu_si512(wb2 + i), wb1 = (__m512bh)_mm512_loadu_si512(wb2 + i + 32); \
+            __asm__("" : "+v"(wa0), "+v"(wa1), "+v"(wb0), "+v"(wb1));                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                  \
+                __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i);               \
+                __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i + 32);          \
+                a0[r] = _mm512_dpbf16_ps(a0[r], wa0, x0); a1[r] = _mm512_dpbf16_ps(a1[r], wa1, x1); \
+                b0[r] = _mm512_dpbf16_ps(b0[r], wb0, x0); b1[r] = _mm512_dpbf16_ps(b1[r], wb1, x1); \
+            }                                                                                      \
+        }                                                                                          \
+        if (i < body) {                                                                            \
+            __m512bh wa0 = (__m512bh)_mm512_loadu_si512(wa + i), wb0 = (__m512bh)_mm512_loadu_si512(wb2 + i); \
+            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                  \
+                __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i);               \
+                a0[r] = _mm512_dpbf16_ps(a0[r], wa0, x0); b0[r] = _mm512_dpbf16_ps(b0[r], wb0, x0); \
+            }                                                                                      \
+            i += 32;                                                                               \
+        }                                                                                          \
+        if (tail) {                                                                                \
+            __m512bh wa1 = (__m512bh)_mm512_maskz_loadu_epi16(m, wa + i), wb1 = (__m512bh)_mm512_maskz_loadu_epi16(m, wb2 + i); \
+            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                  \
+                __m512bh x1 = (__m512bh)_mm512_maskz_loadu_epi16(m, x + (int64_t)r * in + i);     \
+                a1[r] = _mm512_dpbf16_ps(a1[r], wa1, x1); b1[r] = _mm512_dpbf16_ps(b1[r], wb1, x1); \
+            }                                                                                      \
+        }                                                                                          \
+        float bva = bias ? from_bf16(bias[o]) : 0.0f, bvb = bias ? from_bf16(bias[o + 1]) : 0.0f;   \
+        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                      \
+            y[(int64_t)r * out + o] = to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r])) + bva); \
+            y[(int64_t)r * out + o + 1] = to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(b0[r], b1[r])) + bvb); \
+        }                                                                                          \
+    }                                                                                              \
+    if (o < o1) rows##N(x, w, bias, y, in, out, o, o1, pf);                                        \
+}
+ROWS2(4) ROWS2(5)
+
 typedef void (*rows_fn)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int, int, int, int, int);
-static const rows_fn ROWS_FN[9] = {0, rows1, rows2, rows3, rows4, rows5, rows6, rows7, rows8};
+static const rows_fn ROWS_FN[9] = {0, rows1, rows2, rows3, rows2w4, rows2w5, rows6, rows7, rows8};
 
 /* outputs in chunks of 32 per thread task; within a chunk every 8 rows of x in turn. keep: weights
    read again soon (a speculator head's, every step): plain loads, no prefetch ahead (they are
