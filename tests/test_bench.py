@@ -213,6 +213,9 @@ def test_tiny_bench_run_writes_valid_report_markdown_and_plots(tiny_dir, tmp_pat
     assert fl["weight_bytes"] == streamed_weight_bytes(load_target(str(tiny_dir), dtype=torch.float64).model)
     assert fl["read_gbs"] > 0 and fl["floor_ms"] == pytest.approx(1000 * fl["weight_bytes"] / (fl["read_gbs"] * 1e9))
     assert "Weight-streaming floor" in md and "x the floor" in md and "warm-up and time to first token" in md
+    sp = report["summary"]["T=0"]["overall"]["plain"]["step_ms"]  # the floor against a decode step, prefill apart
+    step = sp["draft"] + sp["verify"] + sp["other"]
+    assert f"plain decoding {step:.1f} ms per decode step" in md and f"= {step / fl['floor_ms']:.2f}x the floor" in md
     warm = {m["name"]: m.get("warmup_seconds") for m in report["methods"]}
     assert all(warm[m["name"]] > 0 for m in report["methods"] if m["interleaved"])
     assert report["summary"]["T=0"]["overall"]["plain"]["ttft_s"] > 0
