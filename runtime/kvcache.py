@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["MaskBuffer", "StaticKVCache", "attend", "grouped_attention", "rotate", "row_mask"]
+__all__ = ["MaskBuffer", "StaticKVCache", "TransposedKeys", "attend", "grouped_attention", "rotate", "row_mask"]
 
 
 #: query tokens above which attention pads them to a multiple of this (see :func:`grouped_attention`)
@@ -126,6 +126,36 @@ class MaskBuffer:
             mask[..., mask.shape[-1] - k:] = True
 
 
+class TransposedKeys:
+    """One sequence's K also stored transposed per 16-column block for the CPU layer kernel
+    (:func:`.cpu_layers.run_layers`): ``[layers, kv_heads, capacity rounded up to 16, head_dim]`` bf16,
+    each head's columns read as ``[capacity / 16][head_dim / 2][16][2]`` (the attention's scores then
+    need no per-column reduction), and how many leading columns still match K. The cache that owns
+    it lowers that count wherever its K columns change (a commit moving entries, a crop, another
+    sequence moved in); the kernel writes the columns from there on before it reads them."""
+
+    def __init__(self):
+        self.kt: torch.Tensor | None = None
+        self.valid = 0
+
+    def get(self, layers: int, kv_heads: int, capacity: int, head_dim: int, length: int) -> tuple[torch.Tensor, int]:
+        """(the copy, the first of the ``length`` committed columns it does not hold); allocated on
+        first use or for a larger capacity (then it starts again)."""
+        cap16 = (capacity + 15) // 16 * 16
+        if self.kt is None or self.kt.shape[2] < cap16 or self.kt.shape[0] != layers or self.kt.shape[1] != kv_heads \
+                or self.kt.shape[3] != head_dim:
+            self.kt = torch.empty(layers, kv_heads, cap16, head_dim, dtype=torch.bfloat16)
+            self.valid = 0
+        return self.kt, min(self.valid, length)
+
+    def held_to(self, length: int) -> None:
+        """The first ``length`` columns match K."""
+        self.valid = length
+
+    def drop(self) -> None:
+        self.kt, self.valid = None, 0
+
+
 class StaticKVCache:
     """Preallocated KV ``[layers, 2, batch, kv_heads, capacity, head_dim]`` for ``batch``
     sequences of equal committed length.
@@ -142,8 +172,7 @@ class StaticKVCache:
         self.kv = self._empty(capacity, dtype, device)
         self.length = 0
         self._pending = 0
-        self._kt: torch.Tensor | None = None  # K transposed per 16-column block (transposed_keys)
-        self._kt_valid = 0  # its leading columns that still match K
+        self._kt = TransposedKeys()  # K transposed per 16-column block (transposed_keys)
 
     @torch.inference_mode()
     def _empty(self, capacity: int, dtype, device) -> torch.Tensor:
@@ -156,7 +185,7 @@ class StaticKVCache:
         self.shape = (*self.shape[:2], batch, *self.shape[3:])
         self.batch = batch
         self.kv = self._empty(self.capacity, self.kv.dtype, self.kv.device)
-        self._kt = None
+        self._kt.drop()
 
     @property
     def capacity(self) -> int:
@@ -173,26 +202,20 @@ class StaticKVCache:
         self.kv = kv
 
     def transposed_keys(self) -> tuple[torch.Tensor, int]:
-        """For the CPU layer kernel (:func:`.cpu_layers.run_layers`, one sequence): K also stored transposed
-        per 16-column block, ``[layers, kv_heads, capacity rounded up to 16, head_dim]`` bf16 (the kernel
-        reads each head's columns as ``[capacity / 16][head_dim / 2][16][2]``: the attention's scores then
-        need no per-column reduction), and how many leading columns already match K. Allocated on first
-        use (a regrown cache starts it again); the caller writes it from there through its new entries
-        and then records the committed length it holds with :meth:`keys_transposed_to`."""
+        """For the CPU layer kernel (:func:`.cpu_layers.run_layers`, one sequence): K also stored
+        transposed (:class:`TransposedKeys`) and how many leading columns already match K. A regrown
+        cache starts it again; the caller writes it from there through its new entries and then
+        records the committed length it holds with :meth:`keys_transposed_to`."""
         L, _, B, hkv, _, D = self.shape
-        cap16 = (self.capacity + 15) // 16 * 16
         if B != 1 or self.kv.dtype != torch.bfloat16 or self.kv.device.type != "cpu":
             raise ValueError(f"transposed keys are kept for one CPU bf16 sequence, not batch {B} {self.kv.dtype} "
                              f"on {self.kv.device}")
-        if self._kt is None or self._kt.shape[2] < cap16:
-            self._kt = torch.empty(L, hkv, cap16, D, dtype=torch.bfloat16)
-            self._kt_valid = 0
-        return self._kt, min(self._kt_valid, self.length)
+        return self._kt.get(L, hkv, self.capacity, D, self.length)
 
     def keys_transposed_to(self, length: int) -> None:
         """The transposed keys' first ``length`` columns match K (only committed entries count: a
         commit moves pending ones, a crop drops some)."""
-        self._kt_valid = min(length, self.length)
+        self._kt.held_to(min(length, self.length))
 
     def check_ready(self) -> None:
         if self._pending:
@@ -228,4 +251,4 @@ class StaticKVCache:
     def crop(self, length: int) -> None:
         self._pending = 0
         self.length = min(self.length, length)
-        self._kt_valid = min(self._kt_valid, self.length)
+        self._kt.held_to(min(self._kt.valid, self.length))

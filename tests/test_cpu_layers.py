@@ -106,7 +106,7 @@ def test_the_transposed_keys_follow_the_cache(monkeypatch):
     cache = target.new_cache(capacity=48)
     target.forward(torch.randint(0, 96, (1, 30), generator=g), cache)  # 30 tokens: the many-row path
     cache.commit()
-    assert cache._kt is None and not calls
+    assert cache._kt.kt is None and not calls
 
     def step(n, keep=None, tree=None):
         past = cache.length
@@ -402,6 +402,65 @@ def test_a_server_with_one_client_steps_on_the_layer_kernel(monkeypatch, drafter
         got = [eng.submit(Request(p, max_new_tokens=20, stop_at_eos=False)).result()[0] for p in ps]  # one at a time
     assert got == want
     assert rows and all(rows)  # every decode step of a lone row took the kernel
+
+
+def test_a_lone_serving_rows_transposed_keys_follow_its_slot(monkeypatch):
+    """A server's lone row steps on the layer kernel with K transposed (as the generator's cache does);
+    that copy follows row 0 through batched steps it is not written by, another sequence moving into
+    row 0, a tree whose kept entries move, and a new sequence after the last one left: each lone step
+    gives the logits of the same step on a fresh cache holding row 0's committed entries."""
+    from specfoundry.runtime.serving import slots as slots_mod
+
+    target = _target()
+    calls = _spy(monkeypatch)
+    g = torch.Generator().manual_seed(7)
+    slots = slots_mod.SlotCache(target._engine(), slots=2, capacity=64)
+
+    def add(n):
+        c = target.new_cache()
+        target.forward(torch.randint(0, 96, (1, n), generator=g), c)
+        c.commit()
+        slots.add(c)
+
+    def step(n=1, tree=None, keep=None):
+        B, lens = slots.active, slots.lengths[:slots.active]
+        toks = torch.randint(0, 96, (B, n), generator=g)
+        depths = torch.arange(n) if tree is None else tree_depths(tree)[0]
+        pos = torch.tensor(lens).view(B, 1) + depths.view(1, n)
+        block = None if tree is None else ancestor_matrix(tree).expand(B, n, n)
+        was = len(calls)
+        out = slots_mod.forward_slots(slots, toks, pos, block)
+        if B == 1:  # the lone row: one kernel call, over the transposed keys
+            assert len(calls) == was + 1
+            past = lens[0]
+            ref = target.new_cache(capacity=64)
+            with torch.inference_mode():
+                ref.kv[..., :past, :] = slots.kv[:, :, :1, :, :past]
+            ref.length = past
+            want = target.forward(toks, ref, position_ids=None if tree is None else pos,
+                                  tree_mask=None if tree is None else ancestor_matrix(tree))
+            assert torch.equal(out.logits, want.logits)
+            kt, held = slots.transposed_keys()
+            assert held == past and torch.equal(_row_major(kt)[:, :, :past], slots.kv[:, 0, 0, :, :past])
+        slots.commit([torch.arange(n) if keep is None else torch.tensor(keep)] * B)
+
+    add(12)
+    step()
+    step()  # row 0's transposed keys hold its committed columns
+    add(20)
+    step(2)  # a batched step: row 0's K grows without its transposed copy
+    assert slots.remove(0) == 1  # the 20-token sequence moves into row 0
+    step()
+    step(5, tree=torch.tensor([[-1, 0, 0, 2, 2]]), keep=[0, 2, 4])  # kept entries 2 and 4 move
+    step()
+    add(9)
+    step(3)
+    assert slots.remove(1) is None  # the last row leaves: row 0 unchanged
+    step()
+    slots.remove(0)
+    add(15)  # a new sequence in row 0 after none was left
+    step()
+    step(3)
 
 
 def test_on_the_avx512_attention_every_serving_step_attends_by_the_kernel():

@@ -27,7 +27,7 @@ import torch
 
 from .. import cpu_attention
 from ..engine import LlamaEngine, StaticKVCache, attend, grouped_attention
-from ..kvcache import row_mask
+from ..kvcache import TransposedKeys, row_mask
 from ..target import TargetOutput
 
 
@@ -49,6 +49,10 @@ class SlotCache:
             cpu_attention.supports(self.kv[0]) and cpu_attention.available()
         # on the AVX-512 BF16 kernel every step attends by the kernel, drafted rows or not (KERNEL_TOKENS_PER_ROW)
         self.rows_kernel = self.kernel and cpu_attention.rows_kernel(self.kv[0])
+        # row 0's K also transposed, for a lone row's steps on the layer kernel (_one_row); its count of
+        # columns that match K drops to 0 where row 0's committed columns change: remove (row 0 is only
+        # added again after that), while commits move pending entries only (past what it holds)
+        self._kt = TransposedKeys()
 
     @property
     def slots(self) -> int:
@@ -57,6 +61,18 @@ class SlotCache:
     @property
     def capacity(self) -> int:
         return self.kv.shape[4]
+
+    def transposed_keys(self) -> tuple[torch.Tensor, int] | None:
+        """Row 0's K transposed (:class:`~..kvcache.TransposedKeys`) and the first committed column it
+        does not hold, for :func:`_one_row`; None where the layer kernel does not read it (not bf16 on CPU)."""
+        if self.kv.dtype != torch.bfloat16 or self.kv.device.type != "cpu":
+            return None
+        L, _, _, hkv, cap, D = self.kv.shape
+        return self._kt.get(L, hkv, cap, D, self.lengths[0])
+
+    def keys_transposed_to(self, length: int) -> None:
+        """Row 0's transposed keys match its first ``length`` committed columns."""
+        self._kt.held_to(min(length, self.lengths[0]))
 
     @torch.inference_mode()
     def add(self, prefill: StaticKVCache | None = None) -> int:
@@ -82,6 +98,8 @@ class SlotCache:
         if not 0 <= row <= last:
             raise IndexError(f"row {row} is not active ({self.active} active)")
         self.active = last
+        if row == 0:  # another sequence moves in, or none is left (the next one is added here)
+            self._kt.held_to(0)
         if row == last:
             return None
         n = self.lengths[last]
@@ -272,7 +290,10 @@ def _one_row(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, bl
     if table is None or past + c > cache.capacity:
         return None
     cos, sin = engine.rope(positions[:, :c].to(engine.device))
-    x, feats = engine.kernel_layers(table, tokens[:, :c], cos, sin, kv, past, blk, feature_layers)
+    keys_t = cache.transposed_keys()  # the scores read K transposed, as the engine's own forward does
+    x, feats = engine.kernel_layers(table, tokens[:, :c], cos, sin, kv, past, blk, feature_layers, keys_t)
+    if keys_t is not None:
+        cache.keys_transposed_to(past)  # the new columns are pending: the commit may move them
     out = engine.finish(x, feats, feature_layers, None)
     if c == n:
         return out
