@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_attention, cpu_gemv, cpu_layers
-from .kvcache import MaskBuffer, StaticKVCache, attend, grouped_attention, rotate
+from .kvcache import MaskBuffer, StaticKVCache, attend, grouped_attention, prefill_causal, rotate
 from .target import TargetModel, TargetOutput
 
 __all__ = ["KERNELS", "EngineTarget", "LlamaEngine", "MaskBuffer", "PreparedLinears", "RopeTable", "StaticKVCache",
@@ -546,9 +546,10 @@ class LlamaEngine:
             x, feats = self.run_layers(input_ids, cos, sin, lambda i, q, k, v: cpu_attention.decode_attention(
                 kv[i], q, k, v, past, tree_mask, self.scale), feature_layers)
         else:
-            mask = self.masks.get(tree_mask, B, n, past)
-            x, feats = self.run_layers(input_ids, cos, sin,
-                                       lambda i, q, k, v: attend(kv[i], q, k, v, past, mask, self.scale), feature_layers)
+            causal = prefill_causal(tree_mask, past, n, kv.device)  # a prefill: no mask at all
+            mask = None if causal else self.masks.get(tree_mask, B, n, past)
+            x, feats = self.run_layers(input_ids, cos, sin, lambda i, q, k, v: attend(
+                kv[i], q, k, v, past, mask, self.scale, causal), feature_layers)
             self.masks.release(mask, n if tree_mask is None else tree_mask.shape[-1])
         cache.mark_appended(n)
         return self.finish(x, feats, feature_layers, logits_for)

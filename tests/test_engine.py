@@ -477,3 +477,28 @@ def test_onednn_products_run_on_a_bounded_set_of_row_counts():
         y = KERNELS["onednn"][1](x, packed, b)
         assert y.shape == (2, rows, 48)
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [5, 37])
+def test_a_prefill_attends_by_the_causal_flag_as_by_the_mask(dtype, n):
+    # a CPU prefill into an empty cache attends by SDPA's causal flag (no mask); the same values as
+    # the masked grouped attention it replaces, K/V written alike; other steps keep their masks
+    from specfoundry.runtime.kvcache import attend, prefill_causal
+
+    g = torch.Generator().manual_seed(n)
+    hq, hkv, D = 6, 2, 16
+    q = torch.randn(1, n, hq, D, generator=g).to(dtype)
+    k, v = (torch.randn(1, n, hkv, D, generator=g).to(dtype) for _ in range(2))
+    kv_a, kv_b = (torch.zeros(2, 1, hkv, n + 4, D, dtype=dtype) for _ in range(2))
+    with torch.inference_mode():
+        mask = MaskBuffer(hq // hkv, torch.device("cpu")).get(None, 1, n, 0)
+        want = attend(kv_a, q, k, v, 0, mask, 0.25)
+        got = attend(kv_b, q, k, v, 0, None, 0.25, causal=True)
+    assert torch.equal(kv_a, kv_b)
+    torch.testing.assert_close(got, want, atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=0)
+    assert prefill_causal(None, 0, n, torch.device("cpu"))
+    assert not prefill_causal(None, 3, n, torch.device("cpu")) and not prefill_causal(None, 0, 1, torch.device("cpu"))
+    assert not prefill_causal(torch.ones(1, n, n, dtype=torch.bool), 0, n, torch.device("cpu"))
+    with pytest.raises(ValueError, match="prefill"):
+        attend(kv_b, q, k, v, 2, None, 0.25, causal=True)

@@ -44,7 +44,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from .. import cpu_layers
 from ..engine import (MaskBuffer, PreparedLinears, RopeTable, StaticKVCache, attend, grouped_attention, kernel_for,
                       rms_norm, rotate, tensors_stamp)
-from ..kvcache import row_mask
+from ..kvcache import prefill_causal, row_mask
 from ..target import additive_mask, hf_cache_kw
 from .vocab import set_draft_vocab
 from .eagle_layers import (
@@ -276,10 +276,11 @@ class _EagleBase(nn.Module):
                 scale=self.layer.self_attn.scaling, xin=x, keep=True)
             cache.mark_appended(n)
             return out
-        mask = masks.get(block, B, n, past)
+        causal = prefill_causal(block, past, n, cache.kv.device)  # the prompt's pairs: no mask at all
+        mask = None if causal else masks.get(block, B, n, past)
 
         def attention(q, k, v):
-            return attend(cache.kv[0], q, k, v, past, mask, self.layer.self_attn.scaling)
+            return attend(cache.kv[0], q, k, v, past, mask, self.layer.self_attn.scaling, causal)
 
         out = self._layer_step(input_ids, hidden, position_ids, attention)
         masks.release(mask, n if block is None else block.shape[-1])
