@@ -27,7 +27,7 @@ import torch
 
 from .. import cpu_attention
 from ..engine import LlamaEngine, StaticKVCache, attend, grouped_attention
-from ..kvcache import TransposedKeys, row_mask
+from ..kvcache import TransposedKeys, prefill_causal, row_mask
 from ..target import TargetOutput
 
 
@@ -235,13 +235,16 @@ def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
     flat = torch.cat([dec_tokens] + [ids.to(dev) for _, ids in chunks]).view(1, -1)
     cos, sin = engine.rope(torch.cat(pos).view(1, -1))
     decode = _slot_attention(cache, B, n, block, counts or [n] * B) if B else None
-    masks = []
+    masks, causal = [], []
     for pc, ids in chunks:
         pc.check_ready()
         c = int(ids.shape[0])
         pc.reserve(c)
-        # the chunk sees its request's earlier chunks and itself causally; one token needs no mask
-        m = None if c == 1 else torch.ones(c, pc.length + c, dtype=torch.bool, device=dev).tril(pc.length)
+        # the chunk sees its request's earlier chunks and itself causally; one token needs no mask, and
+        # a first chunk none either (SDPA's causal flag: kvcache.prefill_causal)
+        causal.append(prefill_causal(None, pc.length, c, dev))
+        m = None if c == 1 or causal[-1] else \
+            torch.ones(c, pc.length + c, dtype=torch.bool, device=dev).tril(pc.length)
         masks.append(None if m is None else m.repeat(engine.groups, 1).view(1, 1, engine.groups * c, -1))
 
     def padded(t: torch.Tensor) -> torch.Tensor:
@@ -253,8 +256,8 @@ def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
     def attention(i, q, k, v):
         qs, ks, vs = (t[0].split(sizes) for t in (q, k, v))
         outs = [decode(i, qs[0], ks[0], vs[0])] if B else []
-        for (pc, _), m, qc, kc, vc in zip(chunks, masks, qs[1:], ks[1:], vs[1:]):
-            outs.append(attend(pc.kv[i], qc[None], kc[None], vc[None], pc.length, m, engine.scale)[0])
+        for (pc, _), m, cz, qc, kc, vc in zip(chunks, masks, causal, qs[1:], ks[1:], vs[1:]):
+            outs.append(attend(pc.kv[i], qc[None], kc[None], vc[None], pc.length, m, engine.scale, cz)[0])
         return torch.cat(outs).view(1, flat.shape[1], -1)
 
     x, feats = engine.run_layers(flat, cos, sin, attention, feature_layers)
