@@ -74,7 +74,7 @@ def run_cli(args) -> int:
                                   prompt_lookup=args.prompt_lookup)
     best = fastest_candidate(shape)
     for c, v in shape["speedups"].items():
-        print(f"  {c:<10} {v:.2f}x plain decoding{'  <- fastest' if c == best else ''}", file=sys.stderr)
+        print(f"  {c:<10} {v:.2f}x plain decoding{'  <- chosen' if c == best else ''}", file=sys.stderr)
     if not args.dry_run:
         set_runtime_shape(args.speculator, shape)
         print(f"[tune-shape] {args.speculator}: runtime default {shape_label(shape)} (training.runtime_shape)", file=sys.stderr)

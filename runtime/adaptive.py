@@ -48,7 +48,10 @@ MAX_DRAFT_TOP_K = 64
 #: natural shape under the adaptive controller, fixed chains of 2-3 (what won on the AMD EPYC
 #: machines measured so far) and small fixed trees (what won on an Intel CPU with AMX, where
 #: verifying 4-8 tokens costs little more than one; docs/results.md, ninth session)
-RUNTIME_SHAPE_CANDIDATES = ("adaptive", "chain@2", "chain@3", "tree@2/4", "tree@2/6", "tree@3/8")
+# the first is the prior: the runtime-shape measurement keeps it unless another candidate beats it on
+# (nearly) every prompt (runtime/tune.py); tree@2/4 was the fastest on Spec-Bench for the default and
+# the long head in every session that compared them (docs/results.md, twenty-fifth to thirtieth)
+RUNTIME_SHAPE_CANDIDATES = ("tree@2/4", "adaptive", "chain@2", "chain@3", "tree@2/6", "tree@3/8")
 
 
 def parse_shape_candidate(spec: str) -> tuple[str, int | None, int | None]:

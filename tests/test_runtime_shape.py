@@ -59,12 +59,18 @@ def test_the_fastest_median_wins_and_the_budget_stops_new_prompts(monkeypatch, c
     import specfoundry.runtime.generator as generator_mod
 
     monkeypatch.setattr(generator_mod, "SpeculativeGenerator", lambda target: _Timed(1.0))
-    shape = tune.measure_runtime_shape(target, checkpoint, ["a", "b", "c"], list(secs), progress=False)
-    # chain@3 and chain@4 tie at 2.5x: the first listed wins
-    assert shape["depth"] == 3 and shape["adaptive"] is False and shape["prompts"] == 3
+    five = ["a", "b", "c", "d", "e"]
+    shape = tune.measure_runtime_shape(target, checkpoint, five, list(secs), progress=False)
+    # faster than the first listed on all 5 prompts (sign test p = 1/32); chain@3 and chain@4 tie at
+    # 2.5x: the first listed of them wins
+    assert shape["depth"] == 3 and shape["adaptive"] is False and shape["prompts"] == 5
     assert shape["speedups"] == {"adaptive": 1.25, "chain@2": 2.0, "chain@3": 2.5, "chain@4": 2.5}
+    assert shape["candidate"] == "chain@3" and tune.fastest_candidate(shape) == "chain@3"
     assert runtime_shape_problems(shape) == []
-    assert all(f.calls == 1 + 3 for f in fakes.values())  # one warm-up, then every prompt
+    assert all(f.calls == 1 + 5 for f in fakes.values())  # one warm-up, then every prompt
+    # on 3 prompts the same wins are what chance gives 1 time in 8: the first listed stays
+    shape = tune.measure_runtime_shape(target, checkpoint, ["a", "b", "c"], list(secs), progress=False)
+    assert shape["adaptive"] is True and shape["candidate"] == "adaptive" and shape["speedups"]["chain@3"] == 2.5
 
     clock = iter([0.0] + [1e9] * 100)  # the deadline, then always past it
     monkeypatch.setattr(tune, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
@@ -167,7 +173,7 @@ def test_recipe_default_candidates_are_the_runtimes():
     from specfoundry.train.recipe_schema import EvaluationConfig
 
     assert tuple(EvaluationConfig().runtime_shapes) == RUNTIME_SHAPE_CANDIDATES == tune.DEFAULT_CANDIDATES
-    assert [parse_shape_candidate(c)[0] for c in RUNTIME_SHAPE_CANDIDATES] == ["adaptive", "chain", "chain", "tree",
+    assert [parse_shape_candidate(c)[0] for c in RUNTIME_SHAPE_CANDIDATES] == ["tree", "adaptive", "chain", "chain",
                                                                                 "tree", "tree"]
 
 
@@ -180,8 +186,8 @@ def test_no_shape_beating_plain_is_stored_under_the_controller(monkeypatch, chec
     import specfoundry.runtime.generator as generator_mod
 
     monkeypatch.setattr(generator_mod, "SpeculativeGenerator", lambda target: _Timed(1.0))
-    for secs, adaptive in (({"adaptive": 1.3, "chain@2": 1.05, "chain@3": 1.2}, True),
-                           ({"adaptive": 1.3, "chain@2": 0.95, "chain@3": 1.2}, False)):
+    for secs, adaptive in (({"chain@2": 1.05, "adaptive": 1.3, "chain@3": 1.2}, True),
+                           ({"chain@2": 0.95, "adaptive": 1.3, "chain@3": 1.2}, False)):
         fakes = {c: _Timed(s) for c, s in secs.items()}
         monkeypatch.setattr(tune, "_generator", lambda t, spec, c, lookup, fakes=fakes: (
             fakes[c], {"tree": "chain", "depth": int(c[-1]), "adaptive": False} if c != "adaptive" else {"adaptive": True}))
@@ -189,3 +195,21 @@ def test_no_shape_beating_plain_is_stored_under_the_controller(monkeypatch, chec
         assert shape["depth"] == 2 and shape["adaptive"] is adaptive and runtime_shape_problems(shape) == []
         assert tune.shape_label(shape) == ("adaptive (up to chain@2)" if adaptive else "chain@2")
         assert tune.fastest_candidate(shape) == "chain@2"
+
+
+def test_a_challenger_replaces_the_first_shape_only_on_evidence():
+    # per-prompt speed-ups (the same prompts for every candidate): a higher median is not enough
+    # when the wins are few (a noisy machine), the first listed stays; wins on every one of 6 prompts
+    # (p = 1/64) replace it; of several such, the highest median
+    first = [1.20, 1.25, 1.10, 1.30, 1.22, 1.18]
+    noisy = [1.40, 1.35, 1.05, 1.00, 1.41, 1.15]  # median 1.275 > 1.21, faster on 3 of 6 (p = 0.66)
+    assert tune.choose_candidate({"tree@2/4": first, "adaptive": noisy}) == "tree@2/4"
+    five = [1.30, 1.30, 1.20, 1.20, 1.30, 1.00]  # faster on 5 of 6: p = 7/64 > 0.05
+    assert tune.choose_candidate({"tree@2/4": first, "chain@2": five}) == "tree@2/4"
+    every = [x + 0.01 for x in first]
+    better = [x + 0.05 for x in first]
+    assert tune.choose_candidate({"tree@2/4": first, "chain@2": every, "chain@3": better, "adaptive": noisy}) == "chain@3"
+    assert tune.choose_candidate({"tree@2/4": first}) == "tree@2/4"
+    slower = [x - 0.01 for x in first]  # a lower median never replaces it, whatever the count
+    assert tune.choose_candidate({"tree@2/4": first, "chain@2": slower}) == "tree@2/4"
+    assert tune.sign_test_p(6, 6) == 1 / 64 and tune.sign_test_p(5, 6) == 7 / 64 and tune.sign_test_p(0, 6) == 1.0

@@ -387,7 +387,7 @@ class EvaluationConfig(_Section):
     # (the runtime's RUNTIME_SHAPE_CANDIDATES, written out: importing the runtime here would load
     # torch and transformers into the dry run; a test keeps the two equal)
     runtime_shapes: list[ShapeCandidate] = Field(
-        default_factory=lambda: ["adaptive", "chain@2", "chain@3", "tree@2/4", "tree@2/6", "tree@3/8"])
+        default_factory=lambda: ["tree@2/4", "adaptive", "chain@2", "chain@3", "tree@2/6", "tree@3/8"])
     # held-out prompts for that (0: skip it) and its wall budget
     runtime_prompts: int = Field(8, ge=0)
     runtime_max_minutes: float | None = Field(1.5, gt=0)

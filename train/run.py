@@ -513,7 +513,8 @@ def _save_and_evaluate(recipe, target, module, state_dict, run_dir: Path, summar
     result["evaluation"] = {"depth": ev.depth, "adaptive": ev.adaptive, **options, **sampled,
                             **({"skipped": skipped} if skipped else {})}
     if recipe.method in ("eagle3", "eagle") and ev.runtime_prompts and ev.runtime_shapes and heldout:
-        # the fastest measured shape becomes the checkpoint's runtime default (runtime/tune.py)
+        # the measured choice becomes the checkpoint's runtime default (runtime/tune.py: the first
+        # candidate unless another is clearly faster)
         from specfoundry.runtime.speculators.checkpoint import set_runtime_shape
         from specfoundry.runtime.tune import measure_runtime_shape, shape_label
 

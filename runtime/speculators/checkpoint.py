@@ -246,7 +246,7 @@ def default_draft_shape(cfg: dict) -> tuple[dict, bool]:
 #: what ``training.runtime_shape`` may hold beside the draft options (see runtime/tune.py): the
 #: adaptive setting that goes with the shape, and how it was measured
 _RUNTIME_SHAPE_SCHEMA = {"adaptive": bool, "speedups": dict, "prompts": int, "max_new_tokens": int,
-                         "prompt_lookup": int, "threads": int, "dtype": str, "device": str}
+                         "prompt_lookup": int, "threads": int, "dtype": str, "device": str, "candidate": str}
 
 
 def runtime_shape_problems(shape) -> list[tuple[str | None, str]]:
