@@ -46,7 +46,7 @@ def run_cli(args) -> int:
     from specfoundry.runtime.cli import DTYPES, check_device
     from specfoundry.runtime.models import load_target
     from specfoundry.runtime.speculators.checkpoint import read_config, set_runtime_shape
-    from specfoundry.runtime.tune import fastest_candidate, measure_runtime_shape, shape_label
+    from specfoundry.runtime.tune import chosen_candidate, measure_runtime_shape, shape_label
 
     from .prompts import load_prompts
 
@@ -72,7 +72,7 @@ def run_cli(args) -> int:
     target = load_target(args.target, device=args.device, dtype=DTYPES[args.dtype])
     shape = measure_runtime_shape(target, args.speculator, prompts, shapes, max_new_tokens=args.max_new_tokens,
                                   prompt_lookup=args.prompt_lookup)
-    best = fastest_candidate(shape)
+    best = chosen_candidate(shape)
     for c, v in shape["speedups"].items():
         print(f"  {c:<10} {v:.2f}x plain decoding{'  <- chosen' if c == best else ''}", file=sys.stderr)
     if not args.dry_run:

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from .adaptive import RUNTIME_SHAPE_CANDIDATES, parse_shape_candidate, tree_options
 
-__all__ = ["DEFAULT_CANDIDATES", "SIGN_TEST_P", "choose_candidate", "fastest_candidate", "measure_runtime_shape",
+__all__ = ["DEFAULT_CANDIDATES", "SIGN_TEST_P", "choose_candidate", "chosen_candidate", "measure_runtime_shape",
            "shape_label", "sign_test_p"]
 
 DEFAULT_CANDIDATES = RUNTIME_SHAPE_CANDIDATES
@@ -43,7 +43,7 @@ DEFAULT_CANDIDATES = RUNTIME_SHAPE_CANDIDATES
 SIGN_TEST_P = 0.05
 
 
-def fastest_candidate(shape: dict) -> str:
+def chosen_candidate(shape: dict) -> str:
     """The candidate the measurement chose (the stored shape's, unless none beat plain); for a
     shape stored before the choice was recorded, the best median."""
     speedups = shape["speedups"]
@@ -73,13 +73,13 @@ def choose_candidate(ratios: dict[str, list[float]]) -> str:
 
 def shape_label(shape: dict) -> str:
     """The candidate a measured shape came from: ``"adaptive"``, ``"chain@K"`` or ``"tree@K/N"``;
-    ``"adaptive (up to chain@K)"`` for the fastest fixed shape stored under the controller because
-    no candidate beat plain decoding."""
+    ``"adaptive (up to chain@K)"`` for the chosen fixed shape stored under the controller because
+    it did not beat plain decoding."""
     if shape["adaptive"]:
         speedups = shape.get("speedups") or {}
-        fastest = fastest_candidate(shape) if speedups else "adaptive"
-        if fastest != "adaptive" and speedups[fastest] < 1.0:
-            return f"adaptive (up to {fastest})"
+        chosen = chosen_candidate(shape) if speedups else "adaptive"
+        if chosen != "adaptive" and speedups[chosen] < 1.0:
+            return f"adaptive (up to {chosen})"
         return "adaptive"
     if shape.get("tree") == "dynamic":
         return f"tree@{shape['depth']}/{shape['total_tokens']}"

@@ -65,7 +65,7 @@ def test_the_fastest_median_wins_and_the_budget_stops_new_prompts(monkeypatch, c
     # 2.5x: the first listed of them wins
     assert shape["depth"] == 3 and shape["adaptive"] is False and shape["prompts"] == 5
     assert shape["speedups"] == {"adaptive": 1.25, "chain@2": 2.0, "chain@3": 2.5, "chain@4": 2.5}
-    assert shape["candidate"] == "chain@3" and tune.fastest_candidate(shape) == "chain@3"
+    assert shape["candidate"] == "chain@3" and tune.chosen_candidate(shape) == "chain@3"
     assert runtime_shape_problems(shape) == []
     assert all(f.calls == 1 + 5 for f in fakes.values())  # one warm-up, then every prompt
     # on 3 prompts the same wins are what chance gives 1 time in 8: the first listed stays
@@ -194,7 +194,7 @@ def test_no_shape_beating_plain_is_stored_under_the_controller(monkeypatch, chec
         shape = tune.measure_runtime_shape(target, checkpoint, ["a", "b"], list(secs), progress=False)
         assert shape["depth"] == 2 and shape["adaptive"] is adaptive and runtime_shape_problems(shape) == []
         assert tune.shape_label(shape) == ("adaptive (up to chain@2)" if adaptive else "chain@2")
-        assert tune.fastest_candidate(shape) == "chain@2"
+        assert tune.chosen_candidate(shape) == "chain@2"
 
 
 def test_a_challenger_replaces_the_first_shape_only_on_evidence():

@@ -53,17 +53,17 @@ def _check_run(run: Path, target_dir):
     assert summary["steps"] == 4 and summary["tokens_trained"] > 0
     assert "builtin-heldout" in summary["measured"] and summary["measured"]["builtin-heldout"]["T=0"]["identical_rate"] == 1.0
     assert summary["evaluation"]["sampled_trees"] is True  # tau at T > 0 measured on the recipe's tree
-    # the evaluation timed the runtime shapes on the held-out prompts and stored the fastest
+    # the evaluation timed the runtime shapes on the held-out prompts and stored its choice
     shape = cfg["training"]["runtime_shape"]
     assert summary["runtime_shape"] == shape and shape["prompts"] == 2
     from specfoundry.runtime.adaptive import RUNTIME_SHAPE_CANDIDATES
-    from specfoundry.runtime.tune import fastest_candidate, shape_label
+    from specfoundry.runtime.tune import chosen_candidate, shape_label
 
     assert set(shape["speedups"]) == set(RUNTIME_SHAPE_CANDIDATES)
-    fastest = fastest_candidate(shape)
-    # the fastest is stored; under the controller when it did not beat plain decoding
-    assert shape_label(shape) == (fastest if shape["speedups"][fastest] >= 1.0 or fastest == "adaptive"
-                                  else f"adaptive (up to {fastest})")
+    chosen = chosen_candidate(shape)
+    # the choice is stored; under the controller when it did not beat plain decoding
+    assert shape_label(shape) == (chosen if shape["speedups"][chosen] >= 1.0 or chosen == "adaptive"
+                                  else f"adaptive (up to {chosen})")
     target = load_target(str(target_dir))
     gen = SpeculativeGenerator(target, load_drafter(str(run / "speculator"), target=target), adaptive=False)
     spec = gen.generate(prompt="Hello there", max_new_tokens=12, stop_at_eos=False)
