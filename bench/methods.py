@@ -41,7 +41,7 @@ from specfoundry.runtime.drafters.base import Drafter
 from specfoundry.runtime.drafters.draft import DraftModelDrafter, layer_subset_model
 from specfoundry.runtime.drafters.lookup import LookupFirstDrafter
 from specfoundry.runtime.target import TargetModel
-from specfoundry.runtime.tree import tree_depths
+from specfoundry.runtime.tree import tree_layout
 
 _LOOKUP = ("lookup", "lookup-adaptive")
 _EAGLE_SHAPES = ("dynamic", "chain", "adaptive") + _LOOKUP + ("lookup-tree",)
@@ -121,12 +121,12 @@ class RecordingDrafter(Drafter):
         return self._seen(self.inner.propose(ctx))
 
     def _seen(self, draft):
-        if draft is not None:
-            self._depth = int(tree_depths(draft.parents).max()) if draft.num_nodes > 1 else 0
+        if draft is not None:  # (host lists and the per-shape layout: no tensor op in the timed loop)
+            self._depth = tree_layout(draft.lists()[1], draft.tokens.device).max_depth
         return draft
 
-    def _pre_draft(self, tokens, max_depth):
-        return self._seen(self.inner.pre_draft(tokens, max_depth))
+    def _pre_draft(self, tokens, max_depth, root_id=None):
+        return self._seen(self.inner.pre_draft(tokens, max_depth, root_id))
 
     def commit(self, new_tokens, features) -> None:
         self.tally.record(self._depth, int(new_tokens.shape[1]) - 1)

@@ -535,7 +535,8 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
     parents ``[nodes]`` (0 = root, else the kept node's number from 1) else None), or None when sampling
     met a row of non-finite scaled logits. With the ``root`` id: the draft as a
     :class:`~.tree.Draft`'s rows instead, ids ``[1, 1 + nodes]`` (the root first) and parents
-    ``[1, 1 + nodes]`` (-1, then a chain's or the tree's), made without a tensor op."""
+    ``[1, 1 + nodes]`` (-1, then a chain's or the tree's), made without a tensor op, and a fifth
+    entry: the same ids and parents as Python lists (:attr:`.tree.Draft.host`)."""
     lib = _load()[0]
     if lib is None:
         raise RuntimeError(f"the layer kernel is unavailable: {unavailable_reason()}")
@@ -555,7 +556,9 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
     if cos.shape[0] != steps or sin.shape[0] != steps:
         raise ValueError(f"cos/sin need {steps} rows (positions {past}..), got {cos.shape[0]}, {sin.shape[0]}")
     rows = max(n, top_k, 1)
-    h = torch.empty(H, dtype=torch.bfloat16) if hidden is None else hidden.reshape(H).contiguous().clone()
+    # the C call writes the new root hidden into h; it reads h only when nothing is queued. Tensor
+    # calls that would change nothing are skipped (each costs ~10-40 us on caches a forward flushed)
+    h = torch.empty(H, dtype=torch.bfloat16) if hidden is None or n else hidden.reshape(H).clone()
     # ids and parents in one tensor, each row with a slot for the root first (a Draft's layout)
     N = max(depth, budget, 1)
     out = torch.empty(2, N + 1, dtype=torch.long)
@@ -571,9 +574,10 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
     wb = -(-work.data_ptr() // 64) * 64
     lb = -(-(wb + 2 * n_wb) // 64) * 64
     wf = -(-(lb + 2 * n_lb) // 64) * 64
-    feats = features.contiguous() if n else None
-    cos, sin = cos.contiguous(), sin.contiguous()
-    qids = ids.reshape(n).to(torch.long).contiguous() if n else None
+    feats = (features if features.is_contiguous() else features.contiguous()) if n else None
+    cos, sin = (t if t.is_contiguous() else t.contiguous() for t in (cos, sin))
+    qids = None if not n else ids if ids.dtype == torch.long and ids.is_contiguous() else \
+        ids.reshape(n).to(torch.long).contiguous()
     sampled = temperature > 0
     if sampled and (uniforms is None or uniforms.dtype != torch.float64 or uniforms.numel() < depth):
         raise ValueError(f"sampling needs {depth} fp64 uniforms")
@@ -596,4 +600,5 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
     row[0], row[N + 1] = root, -1
     if not top_k:
         row[N + 2:N + 2 + m] = range(m)  # a chain: node i's parent is i - 1
-    return out[:1, :m + 1], h, qout if not top_k else None, out[1:, :m + 1]
+    host = (row[:m + 1], row[N + 1:N + 2 + m])  # the same rows as lists, read without a tensor op
+    return out[:1, :m + 1], h, qout if not top_k else None, out[1:, :m + 1], host

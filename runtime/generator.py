@@ -33,7 +33,7 @@ from .adaptive import MAX_DRAFT_DEPTH, MAX_DRAFT_NODES, AcceptanceTally, Adaptiv
 from .drafters.base import DraftContext, Drafter
 from .sampling import SamplingParams
 from .target import TargetModel
-from .tree import Draft, ancestor_matrix, tree_depths
+from .tree import Draft, tree_layout
 from .verify import verify
 
 
@@ -413,48 +413,46 @@ class SpeculativeGenerator:
         stats.prefill_seconds = time.perf_counter() - t_start
         emitted = []
         detok = IncrementalDetokenizer(target.decode) if target.tokenizer is not None else None
+        root_id = prompt[-1]  # the root as a host int (the last id the loop appended to ids)
         while len(emitted) < max_new_tokens:
-            root = ids[:, -1]
             t0 = time.perf_counter()
             # no draft node past the last position the target knows
             room = min(max_depth, self.max_nodes - 1)
             if limit is not None:
                 room = max(0, min(room, limit - ids.shape[1]))
-            draft = pre_draft(ids, room) if pre_draft is not None and room > 0 else None
+            draft = pre_draft(ids, room, root_id) if pre_draft is not None and room > 0 else None
             shape = None  # a pre-drafted step is not the controller's
             if draft is None:
                 shape = control.choose(shapes) if drafter is not None else (0, 1)
                 depth = min(shape[0], room)
                 if depth > 0:
-                    draft = drafter.propose(DraftContext(ids, sampling, depth, shape[1], gen))
+                    draft = drafter.propose(DraftContext(ids, sampling, depth, shape[1], gen, root_id))
                 else:
-                    draft = Draft.root_only(root)
+                    draft = Draft.root_only(ids[:, -1], root_id)
             t1 = time.perf_counter()
-            depths = tree_depths(draft.parents)
-            mask = ancestor_matrix(draft.parents) if draft.num_nodes > 1 else None
+            # the step's bookkeeping over host lists and per-shape tensors made once (tree_layout):
+            # right after a forward each tensor op costs ~10-40 us on flushed caches
+            toks, parents = draft.lists()
+            layout = tree_layout(parents, dev)
             # a plain step's position follows the cache (the engine slices its RoPE tables: no tensor op)
-            positions = None if mask is None else cache.length + depths
-            out = target.forward(draft.tokens, cache, position_ids=positions, tree_mask=mask,
+            positions = None if layout.mask is None else cache.length + layout.depths
+            out = target.forward(draft.tokens, cache, position_ids=positions, tree_mask=layout.mask,
                                  feature_layers=feature_layers)
             res = verify(draft, out.logits, sampling, gen)
-            # the accepted path as a host list: a handful of indices, cheaper than tensor ops here
-            path = [i for i in res.path[0].tolist() if i >= 0]
+            n_acc, path, next_id = res.lists()
             cache.commit(path)
-            if len(path) == 1:  # the root only (a plain step, or nothing accepted)
-                new, feats = res.next_token.view(1, 1), out.features
-                if feats is not None and feats.shape[1] > 1:
-                    feats = feats[:, :1]
-            else:
-                new = torch.cat([draft.tokens[0, path[1:]], res.next_token.view(1)]).view(1, -1)
-                feats = None if out.features is None else out.features[:, path]
+            new_ids = [toks[i] for i in path[1:]] + [next_id]
+            new, root_id = torch.tensor([new_ids], dtype=torch.long, device=dev), next_id
+            feats = out.features
+            if feats is not None and feats.shape[1] > 1:  # the accepted path's (the root's alone: a slice)
+                feats = feats[:, :1] if len(path) == 1 else feats[:, path]
             t2 = time.perf_counter()
             if drafter is not None:
                 drafter.commit(new, feats)
             t3 = time.perf_counter()
 
             n_drafted = draft.num_nodes - 1
-            n_acc = int(res.accept_len[0])
-            depth_drafted = int(depths.max()) if n_drafted else 0
+            depth_drafted = layout.max_depth
             if shape is not None:
                 control.record(shape, depth_drafted, n_acc, draft.num_nodes, t2 - t1, (t1 - t0) + (t3 - t2))
             tally.record(depth_drafted, n_acc)
@@ -469,7 +467,7 @@ class SpeculativeGenerator:
                 stats.plain_steps += 1
 
             ids = torch.cat([ids, new], dim=1)
-            step_tokens = new[0].tolist()[: max_new_tokens - len(emitted)]
+            step_tokens = new_ids[: max_new_tokens - len(emitted)]
             done = False
             for i, t in enumerate(step_tokens):
                 if t in eos:

@@ -8,7 +8,9 @@ the mask :func:`ancestor_matrix` and positions ``past_len + depth``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -23,17 +25,35 @@ class Draft:
              drawn from, given its earlier siblings (for sampling without replacement it is the
              parent's draft distribution with earlier siblings zeroed and renormalised).
              ``None`` means deterministic proposals (a one-hot at each token); ``q[:, 0]`` is unused.
+    host:    one sequence's ``(tokens, parents)`` as Python lists, when its drafter had them without a
+             tensor op (or after :meth:`lists` read them): the generator's bookkeeping reads these.
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     q: torch.Tensor | None = None
+    host: tuple[list[int], list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if self.tokens.shape != self.parents.shape or self.tokens.dim() != 2:
             raise ValueError(f"tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} must both be [B, N]")
         if self.q is not None and self.q.shape[:2] != self.tokens.shape:
             raise ValueError(f"q {tuple(self.q.shape)} must be [B, N, V] with [B, N] = {tuple(self.tokens.shape)}")
+        if self.host is not None and (self.tokens.shape[0] != 1 or len(self.host[0]) != self.tokens.shape[1]
+                                      or len(self.host[1]) != self.tokens.shape[1]):
+            raise ValueError(f"host lists of {len(self.host[0])} / {len(self.host[1])} entries for tokens "
+                             f"{tuple(self.tokens.shape)} (one sequence's, one entry per node)")
+
+    def lists(self) -> tuple[list[int], list[int]]:
+        """A one-sequence draft's ``(tokens, parents)`` as Python lists: :attr:`host`, read from the
+        tensors on the first call when the drafter did not attach them. Why: right after a forward
+        every tensor op runs on caches the weight stream flushed (~10-40 us each, docs/results.md,
+        thirty-first session), and a step's bookkeeping needs a handful of ints."""
+        if self.host is None:
+            if self.tokens.shape[0] != 1:
+                raise ValueError(f"lists() is for one sequence, got a batch of {self.tokens.shape[0]}")
+            self.host = (self.tokens[0].tolist(), self.parents[0].tolist())
+        return self.host
 
     @property
     def num_nodes(self) -> int:
@@ -58,8 +78,20 @@ class Draft:
         return Draft(tokens, parents, q)
 
     @staticmethod
-    def root_only(root: torch.Tensor) -> "Draft":
-        return Draft.chain(root, root.new_zeros(root.shape[0], 0))
+    def root_only(root: torch.Tensor, root_id: int | None = None) -> "Draft":
+        """Just the root ``[B]`` (a plain step); ``root_id``: one sequence's root as a host int, kept
+        as :attr:`host` (two tensor ops instead of five)."""
+        if root_id is None:
+            return Draft.chain(root, root.new_zeros(root.shape[0], 0))
+        return Draft(root.view(1, 1), torch.full((1, 1), -1, dtype=torch.long, device=root.device),
+                     host=([root_id], [-1]))
+
+    @staticmethod
+    def host_chain(ids: list[int], device: torch.device) -> "Draft":
+        """One sequence's chain from host ids (the root first), with :attr:`host` set."""
+        parents = list(range(-1, len(ids) - 1))
+        return Draft(torch.tensor([ids], dtype=torch.long, device=device),
+                     torch.tensor([parents], dtype=torch.long, device=device), host=(list(ids), parents))
 
 
 def _jumps(n: int) -> int:
@@ -117,6 +149,31 @@ def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     for _ in range(_jumps(N)):
         reach = (reach @ reach).clamp_(max=1.0)
     return reach.bool()
+
+
+class TreeLayout(NamedTuple):
+    """What a verification forward needs of one sequence's tree shape (shared tensors: read only)."""
+
+    depth: tuple[int, ...]  # each node's depth (root 0)
+    depths: torch.Tensor  # [1, N] long, the same
+    mask: torch.Tensor | None  # [1, N, N] bool, :func:`ancestor_matrix`; None for a lone root
+    max_depth: int
+
+
+def tree_layout(parents: list[int], device: torch.device) -> TreeLayout:
+    """:func:`tree_depths` and :func:`ancestor_matrix` of one sequence's ``parents`` (a list), made
+    once per tree shape and device and then shared: a decoding loop meets a few shapes (its small
+    trees, chains of each length) every step, and each tensor op right after a forward costs
+    ~10-40 us (docs/results.md, thirty-first session). The returned tensors must not be modified."""
+    return _layout(tuple(parents), device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(parents: tuple[int, ...], device: torch.device) -> TreeLayout:
+    par = torch.tensor([parents], dtype=torch.long, device=device)
+    depths = tree_depths(par)
+    depth = tuple(depths[0].tolist())
+    return TreeLayout(depth, depths, ancestor_matrix(par) if len(parents) > 1 else None, max(depth))
 
 
 def path_to(parents: torch.Tensor, node: torch.Tensor) -> torch.Tensor:

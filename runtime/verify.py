@@ -18,7 +18,7 @@ given ``torch.Generator`` and never mutate their inputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,18 @@ class VerifyResult:
     accept_len: torch.Tensor  # [B] number of accepted draft nodes (root excluded)
     path: torch.Tensor  # [B, D+1] node indices root..last accepted, padded with -1
     next_token: torch.Tensor  # [B] bonus / correction token (the next root)
+    # one sequence's (accepted count, path without padding, next token) as host values, where the
+    # verifier had them without a tensor op: see lists()
+    host: tuple[int, list[int], int] | None = field(default=None, repr=False, compare=False)
+
+    def lists(self) -> tuple[int, list[int], int]:
+        """One sequence's result as host values: (accepted nodes, the path root..last accepted, the
+        next token); read from the tensors once when the verifier did not attach them."""
+        if self.host is None:
+            if self.accept_len.shape[0] != 1:
+                raise ValueError(f"lists() is for one sequence, got a batch of {self.accept_len.shape[0]}")
+            self.host = (int(self.accept_len[0]), [i for i in self.path[0].tolist() if i >= 0], int(self.next_token[0]))
+        return self.host
 
 
 # --------------------------------------------------------------------------- helpers
@@ -256,7 +268,7 @@ def _sampling_chain_in_c(draft: Draft, target_logits: torch.Tensor, sampling: Sa
     N = draft.tokens.shape[1]
     # the path built on the host: one tensor op, not four (they run on caches a forward just flushed)
     return VerifyResult(torch.tensor([accepted]), torch.tensor([list(range(accepted + 1)) + [-1] * (N - 1 - accepted)]),
-                        torch.tensor([nxt]))
+                        torch.tensor([nxt]), host=(accepted, list(range(accepted + 1)), nxt))
 
 
 def _greedy_one(draft: Draft, target_logits: torch.Tensor) -> VerifyResult:
@@ -264,7 +276,7 @@ def _greedy_one(draft: Draft, target_logits: torch.Tensor) -> VerifyResult:
     handful of nodes, where the vectorised version's ~20 small tensor ops cost ~0.3 ms per step right
     after a forward (docs/results.md, twenty-fourth session)."""
     am = argmax(target_logits)[0].tolist()
-    toks, par = draft.tokens[0].tolist(), draft.parents[0].tolist()
+    toks, par = draft.lists()
     depth, ok, best = [0] * len(toks), [True] * len(toks), 0
     for i in range(1, len(toks)):
         p = par[i]
@@ -276,10 +288,11 @@ def _greedy_one(draft: Draft, target_logits: torch.Tensor) -> VerifyResult:
     while node >= 0:
         path.append(node)
         node = par[node]
-    path = path[::-1] + [-1] * (max(depth) - depth[best])
+    path = path[::-1]
     dev = draft.tokens.device
-    return VerifyResult(torch.tensor([depth[best]], device=dev), torch.tensor([path], device=dev),
-                        torch.tensor([am[best]], device=dev))
+    return VerifyResult(torch.tensor([depth[best]], device=dev),
+                        torch.tensor([path + [-1] * (max(depth) - depth[best])], device=dev),
+                        torch.tensor([am[best]], device=dev), host=(depth[best], path, am[best]))
 
 
 def verify(draft: Draft, target_logits: torch.Tensor, sampling: SamplingParams,

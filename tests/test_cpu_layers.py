@@ -199,7 +199,10 @@ def _drafts_and_outputs(target, drafter, prompts, lookup: bool = False, temperat
 
     def propose(ctx):
         draft = real(ctx)
-        proposed.append((draft.tokens.tolist()[0], draft.parents.tolist()[0], draft.q))
+        tokens, parents = draft.tokens.tolist()[0], draft.parents.tolist()[0]
+        # host lists a drafter attaches (the C call's, the lookup's) are its tensors' values
+        assert draft.host is None or draft.host == (tokens, parents)
+        proposed.append((tokens, parents, draft.q, draft.host is not None))
         return draft
 
     drafter.propose = propose
@@ -236,17 +239,19 @@ def test_fused_eagle3_drafting_equals_the_step_by_step_drafting(monkeypatch, cas
 
     monkeypatch.setattr(Eagle3Head, "fused_draft", spy)
     fused = _drafts_and_outputs(target, drafter, prompts, lookup, temperature)
+    # the one-call drafting attached its lists (a sampled tree is drafted step by step: none)
+    assert any(hosted for *_, hosted in fused[0]) == (case != "tree T=1")
     # it ran on every short queue, never on a longer one (the prompts: 18 pairs)
     assert all(ran == (n <= cpu_layers.MAX_TOKENS) for n, ran in calls) and sum(ran for _, ran in calls) > 10
     monkeypatch.setattr(Eagle3Head, "fused_draft", lambda *a: None)
     step_by_step = _drafts_and_outputs(target, drafter, prompts, lookup, temperature)
     assert fused[1] == step_by_step[1]
     assert len(fused[0]) == len(step_by_step[0])
-    for (tok_a, par_a, q_a), (tok_b, par_b, q_b) in zip(fused[0], step_by_step[0]):
+    for (tok_a, par_a, q_a, _), (tok_b, par_b, q_b, _) in zip(fused[0], step_by_step[0]):
         assert tok_a == tok_b and par_a == par_b
         # a sampled chain's q: the C softmax (its own exponential) within fp32 rounding of PyTorch's
         assert (q_a is None) == (q_b is None) and (q_a is None or torch.allclose(q_a, q_b, rtol=1e-5, atol=1e-8))
-    assert any(len(tok) >= 4 for tok, _, _ in fused[0])  # chains / trees were drafted (root + 3 or more)
+    assert any(len(tok) >= 4 for tok, *_ in fused[0])  # chains / trees were drafted (root + 3 or more)
     assert (fused[0][-1][2] is not None) == (temperature > 0)
 
 
@@ -577,7 +582,7 @@ def test_fused_drafting_grows_a_full_head_cache(monkeypatch):
     monkeypatch.setattr(Eagle3Head, "fused_draft", lambda *a, **k: None)
     step_by_step = _drafts_and_outputs(target, drafter, prompts)
     assert fused[1] == step_by_step[1]
-    assert [(t, p) for t, p, _ in fused[0]] == [(t, p) for t, p, _ in step_by_step[0]]
+    assert [(t, p) for t, p, *_ in fused[0]] == [(t, p) for t, p, *_ in step_by_step[0]]
 
 
 def test_the_heads_prepared_weights_follow_edits_and_replacements():

@@ -407,5 +407,53 @@ def test_one_sequence_greedy_walk_equals_the_vectorised_verifier():
         got = _greedy_one(d, logits)
         same(got, want)
         assert torch.equal(verify(d, logits, SamplingParams(0.0)).path, want.path)
+        # its host values (what the generator reads) are the tensors' values, and so are a drafter's
+        # host lists when it attached them: the same walk
+        accept, path, nxt = got.lists()
+        assert (accept, path, nxt) == (int(want.accept_len), [i for i in want.path[0].tolist() if i >= 0],
+                                       int(want.next_token))
+        assert VerifyResult(want.accept_len, want.path, want.next_token).lists() == (accept, path, nxt)
+        hosted = Draft(tokens, parents, None, host=(tokens[0].tolist(), parents[0].tolist()))
+        assert _greedy_one(hosted, logits).lists() == (accept, path, nxt)
         deep = max(deep, int(want.accept_len))
     assert deep >= 3
+
+
+def test_tree_layout_is_the_tensor_bookkeeping_made_once_per_shape():
+    """The generator's per-shape layout (depths, ancestor mask, deepest level) equals tree_depths /
+    ancestor_matrix of the same parents, and the same shape gives the same (shared) tensors."""
+    from specfoundry.runtime.tree import ancestor_matrix, tree_layout
+
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 2, 4, 9, 40, 70):  # 70: beyond the list-walking helpers' 64 nodes
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        t = torch.tensor([parents])
+        lay = tree_layout(parents, torch.device("cpu"))
+        assert torch.equal(lay.depths, tree_depths(t)) and lay.depth == tuple(tree_depths(t)[0].tolist())
+        assert lay.max_depth == int(tree_depths(t).max())
+        if n == 1:
+            assert lay.mask is None  # a plain step: no mask
+        else:
+            assert torch.equal(lay.mask, ancestor_matrix(t))
+        assert tree_layout(list(parents), torch.device("cpu")) is lay
+
+
+def test_host_lists_of_a_draft():
+    """Draft.host: checked against the tensors' shape; lists() reads the tensors when no drafter
+    attached them; the host-built chain and root equal Draft.chain's tensors."""
+    tokens, parents = torch.tensor([[5, 6, 7]]), torch.tensor([[-1, 0, 1]])
+    with pytest.raises(ValueError, match="host lists"):
+        Draft(tokens, parents, None, host=([5, 6], [-1, 0]))
+    with pytest.raises(ValueError, match="host lists"):
+        Draft(tokens.expand(2, 3), parents.expand(2, 3), None, host=([5, 6, 7], [-1, 0, 1]))
+    assert Draft(tokens, parents).lists() == ([5, 6, 7], [-1, 0, 1])
+    with pytest.raises(ValueError, match="one sequence"):
+        Draft(tokens.expand(2, 3), parents.expand(2, 3)).lists()
+    chain = Draft.chain(torch.tensor([5]), torch.tensor([[6, 7]]))
+    hosted = Draft.host_chain([5, 6, 7], torch.device("cpu"))
+    assert torch.equal(hosted.tokens, chain.tokens) and torch.equal(hosted.parents, chain.parents)
+    assert hosted.host == ([5, 6, 7], [-1, 0, 1])
+    root = Draft.root_only(torch.tensor([9]), 9)
+    plain = Draft.root_only(torch.tensor([9]))
+    assert torch.equal(root.tokens, plain.tokens) and torch.equal(root.parents, plain.parents)
+    assert root.host == ([9], [-1]) and plain.host is None

@@ -20,7 +20,7 @@ Protocol (one sequence per batch row; the generator serves ``B == 1``):
 
 Invariant: after ``begin``/``commit`` the drafter has seen features for ``tokens[:, :-1]``.
 
-Optional: ``pre_draft(tokens, max_depth) -> Draft | None``, asked before the adaptive controller
+Optional: ``pre_draft(tokens, max_depth, root_id=None) -> Draft | None``, asked before the adaptive controller
 each step; a Draft it returns is verified whatever shape the controller would have chosen, and the
 controller neither chooses nor learns from that step (for cheap, deterministic drafts that need no
 model forward: :class:`~.lookup.LookupFirstDrafter`'s prompt lookup). It may read only committed
@@ -47,6 +47,11 @@ class DraftContext:
     max_depth: int
     max_nodes: int
     generator: torch.Generator | None = None
+    root_id: int | None = None  # tokens[0, -1] as a host int, where the caller has it (saves a tensor read)
+
+    def root(self) -> int:
+        """The root token's id (``tokens[0, -1]``) of a one-sequence context."""
+        return int(self.tokens[0, -1]) if self.root_id is None else self.root_id
 
 
 class Drafter(ABC):

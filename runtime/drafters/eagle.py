@@ -146,7 +146,6 @@ class EagleDrafter(Drafter):
         if ctx.tokens.shape[0] != 1 or ctx.tokens.shape[1] != self._num_tokens:
             raise RuntimeError(f"context has {tuple(ctx.tokens.shape)} tokens but the drafter committed "
                                f"{self._num_tokens}: begin/commit were not called for every step")
-        root = ctx.tokens[:, -1]
         budget = min(self.total_tokens, ctx.max_nodes) - 1
         # kept trees are ancestor-closed, so no kept node is deeper than the node budget
         depth = min(self.depth, ctx.max_depth, budget)
@@ -159,18 +158,20 @@ class EagleDrafter(Drafter):
                                 and (sp.top_p is None or sp.top_p >= 1.0))
         if self._graphed is not None and sp.greedy and depth >= 1 and budget >= 1 \
                 and (self._queue_ids or self._root_hidden is not None):
-            return self._propose_graphed(root, depth, 1 if chain else self.top_k, depth if chain else budget)
+            return self._propose_graphed(ctx.tokens[:, -1], depth, 1 if chain else self.top_k,
+                                         depth if chain else budget)
         # a greedy tree in the same call where its top-k fits the C step (budget >= 1 and depth >= 1)
         tree = not chain and sp.greedy and self._static and 1 <= depth and 1 <= budget and self.top_k <= MAX_C_TOP_K
         drafted = self._run_queue(depth if (chain and plain_q) or tree else 0, ctx, self.top_k if tree else 0,
                                   budget if tree else 0)
         if drafted is not None:  # drafted with the queued pairs, in one call: the Draft's rows, root first
-            tokens, q, parents = drafted
+            tokens, q, parents, host = drafted
             if q is not None:  # a sampled chain: the root's row of q is unused
                 q = self._target_vocab(q, lead=1).unsqueeze(0)
-            return Draft(tokens, parents, q)
+            return Draft(tokens, parents, q, host=host)
+        root = ctx.tokens[:, -1]  # (read here: the one-call drafting above needs only its id)
         if depth < 1 or budget < 1 or self._root_hidden is None:
-            return Draft.root_only(root)
+            return Draft.root_only(root, ctx.root_id)
         base = self.cache.length
         try:
             if chain:
@@ -213,7 +214,8 @@ class EagleDrafter(Drafter):
         if features.shape[1] != n:
             raise ValueError(f"got features for {features.shape[1]} tokens, expected {n}")
         self._queue_features.append(features)  # fused with the rest of the queue when it runs
-        self._queue_ids.append(next_ids.to(self.head.device))
+        # (no .to() when already there: a no-op tensor call still costs ~20 us right after a forward)
+        self._queue_ids.append(next_ids if next_ids.device == self.head.device else next_ids.to(self.head.device))
 
     def _run_queue(self, chain: int = 0, ctx: DraftContext | None = None, top_k: int = 0,
                    budget: int = 0) -> tuple | None:
@@ -230,11 +232,11 @@ class EagleDrafter(Drafter):
         done = None if self._plan is None or (ids is None and not chain) else \
             self.head.fused_draft(ids, features, self._root_hidden, chain, self.cache, temperature,
                                   None if ctx is None else ctx.generator, top_k, budget,
-                                  int(ctx.tokens[0, -1]) if chain else None, self._plan)
+                                  ctx.root() if chain else None, self._plan)
         self._queue_ids, self._queue_features = [], []
         if done is not None:
-            drafts, self._root_hidden, q, parents = done
-            return (drafts, q, parents) if chain else None
+            drafts, self._root_hidden, q, parents, *host = done  # host lists: with a root id only
+            return (drafts, q, parents, host[0] if host else None) if chain else None
         if ids is None:
             return None
         hidden = self.head.fuse_features(features)

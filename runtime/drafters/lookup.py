@@ -82,10 +82,10 @@ class LookupFirstDrafter(Drafter):
         self.lookup.begin(prompt_ids)
         self.inner.begin(prompt_ids, features)
 
-    def pre_draft(self, tokens: torch.Tensor, max_depth: int) -> Draft | None:
+    def pre_draft(self, tokens: torch.Tensor, max_depth: int, root_id: int | None = None) -> Draft | None:
         """The lookup chain (at most ``max_depth`` and ``lookup_depth`` tokens) rooted at
-        ``tokens[:, -1]``, or None when the context's suffix has no earlier ``min_match``-token
-        occurrence."""
+        ``tokens[:, -1]`` (``root_id``: that id as a host int, where the caller has it), or None when
+        the context's suffix has no earlier ``min_match``-token occurrence."""
         k = min(max_depth, self.lookup.default_depth)
         if k < 1:
             return None
@@ -94,11 +94,11 @@ class LookupFirstDrafter(Drafter):
             self._missed_at = tokens.shape[1]
             return None
         self.lookups += 1
-        return self.lookup.chain(tokens[:, -1], k, found)
+        return self.lookup.chain(tokens[:, -1], k, found, root_id)
 
     def propose(self, ctx: DraftContext) -> Draft:
         if self._missed_at != ctx.tokens.shape[1]:  # not already looked up at this length (pre_draft)
-            draft = self.pre_draft(ctx.tokens, min(ctx.max_depth, ctx.max_nodes - 1))
+            draft = self.pre_draft(ctx.tokens, min(ctx.max_depth, ctx.max_nodes - 1), ctx.root_id)
             if draft is not None:
                 return draft
         self.model_drafts += 1

@@ -53,16 +53,19 @@ class NgramDrafter(Drafter):
                 return self._tokens[j : j + k]
         return []
 
-    def chain(self, root: torch.Tensor, k: int, found: list[int] | None = None) -> Draft:
+    def chain(self, root: torch.Tensor, k: int, found: list[int] | None = None, root_id: int | None = None) -> Draft:
         """The lookup continuation (at most ``k`` tokens; none without a match; ``found``: the
-        :meth:`lookup` the caller already made) as a chain below ``root`` ``[1]``."""
+        :meth:`lookup` the caller already made) as a chain below ``root`` ``[1]`` (``root_id``: its id
+        as a host int, where the caller has it: the draft is then made from host lists)."""
         if found is None:
             found = self.lookup(k) if k > 0 else []
+        if root_id is not None:
+            return Draft.host_chain([root_id] + found, root.device)
         drafts = torch.tensor([found], dtype=torch.long, device=root.device).view(1, len(found))
         return Draft.chain(root, drafts)
 
     def propose(self, ctx: DraftContext) -> Draft:
-        return self.chain(ctx.tokens[:, -1], min(ctx.max_depth, ctx.max_nodes - 1))
+        return self.chain(ctx.tokens[:, -1], min(ctx.max_depth, ctx.max_nodes - 1), root_id=ctx.root_id)
 
     def commit(self, new_tokens: torch.Tensor, features=None) -> None:
         self._append(new_tokens[0].tolist())

@@ -581,7 +581,7 @@ class Eagle3Head(_EagleBase):
         nodes instead of a chain (the drafter's ``_grow_greedy``, the same drafts). Returns (target ids,
         the new root hidden ``[1, H]``, the draft distributions ``[depth, Vd]`` or None when greedy, the
         tree's parents (0 = root) or None for a chain; with the ``root`` id, the ids and parents as a
-        :class:`~..tree.Draft`'s ``[1, 1 + nodes]`` rows, root first), or None where it does not run (not the AVX-512
+        :class:`~..tree.Draft`'s ``[1, 1 + nodes]`` rows, root first, and a fifth entry: their host lists), or None where it does not run (not the AVX-512
         BF16 kernels, another dtype, more than ``cpu_layers.MAX_TOKENS`` queued pairs or ``top_k``,
         non-finite scaled logits): the caller takes the step-by-step path, with the cache and the
         generator as they were. ``plan``: :meth:`draft_plan` as the caller took it for this request
@@ -618,11 +618,11 @@ class Eagle3Head(_EagleBase):
             else:
                 torch.random.set_rng_state(state)
             return None
-        tokens, h, q, parents = out
+        tokens, h, q, parents, *host = out  # host: the draft's lists, with the root id
         if n:
             cache.mark_appended(n)
             cache.commit()
-        return tokens, h.view(1, H), q, parents
+        return (tokens, h.view(1, H), q, parents, *host)
 
     def draft_plan(self, cache: StaticKVCache) -> tuple | None:
         """(the layer table, the weights) of :meth:`fused_draft` for drafting on ``cache``, or None
