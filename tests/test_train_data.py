@@ -398,6 +398,41 @@ def test_online_and_offline_batches_are_identical(tiny_target, tmp_path, dtype):
         assert not a[0]["loss_mask"][short, m:].any() and not a[0]["features"][short, m:].any()
 
 
+def test_batched_capture_runs_on_the_engine(tmp_path, monkeypatch):
+    """capture_batch_size > 1 on a target that decodes on the runtime's engine: the offline capture
+    runs the engine's chunked prefill (several examples per forward, no padding), with states equal to
+    HF's one forward per example up to bf16 rounding, a manifest header of its own (never mixed with
+    an HF capture), the engine's forward actually called; an HF target keeps HF's path."""
+    from tiny_models import tiny_llama
+    from specfoundry.runtime.serving import slots
+    from specfoundry.train.features import capture_backend
+
+    ds = _token_dataset(n=9, seed=4)
+    eng = tiny_llama(2, vocab=64, hidden=64, layers=3, dtype=torch.bfloat16)
+    hf = tiny_llama(2, vocab=64, hidden=64, layers=3, dtype=torch.bfloat16, backend="hf")
+    assert capture_backend(eng, 4) == "engine" and capture_backend(eng, 1) == "hf" and capture_backend(hf, 4) == "hf"
+    layers = (1, 2, eng.num_layers)
+    calls = []
+    real = slots.forward_mixed
+    monkeypatch.setattr(slots, "forward_mixed", lambda *a, **k: calls.append(len(a[4])) or real(*a, **k))
+    src = HiddenStateSource("offline", eng, layers, cache_dir=tmp_path / "eng", shard_tokens=60, capture_batch_size=4)
+    src.prepare(ds, progress=False)
+    assert calls and max(calls) == 4 and sum(calls) == len(ds)  # groups of 4 examples per forward
+    assert json.loads((tmp_path / "eng" / "manifest.json").read_text())["header"]["capture"] == "engine"
+    ref = HiddenStateSource("online", hf, layers)
+    for x, y in zip(src.batches(ds, 3, seed=1, epoch=0), ref.batches(ds, 3, seed=1, epoch=0)):
+        assert torch.equal(x["input_ids"], y["input_ids"])
+        for k in ("features", "last_hidden"):
+            assert x[k].dtype == y[k].dtype == torch.bfloat16
+            diff = (x[k].float() - y[k].float()).norm() / y[k].float().norm()
+            assert diff < 2e-2, (k, float(diff))  # bf16 kernels: rounding, not a different state
+            assert not x[k][x["attention_mask"] == 0].any()  # padding stays zero
+    calls.clear()
+    HiddenStateSource("offline", hf, layers, cache_dir=tmp_path / "hf", shard_tokens=60,
+                      capture_batch_size=4).prepare(ds, progress=False)
+    assert not calls and "capture" not in json.loads((tmp_path / "hf" / "manifest.json").read_text())["header"]
+
+
 def test_batch_order_and_start_step_resume(tiny_target):
     ds = _token_dataset(n=11)
     src = HiddenStateSource("online", tiny_target, (1, 3))

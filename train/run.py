@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     from specfoundry.runtime import load_target
 
     from .data import build_dataset
-    from .features import HiddenStateSource, dataset_hash
+    from .features import HiddenStateSource, capture_backend, dataset_hash
     from .loop import LoopConfig, check_run_dir, claim_run_dir, read_run_id, train_loop
     from .recipe import dump_resolved, load_recipe, prompt_source_dicts, resolve
     from .tracking import init_tracking
@@ -358,8 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     layers = tuple(getattr(module, "feature_layers", ()) or ()) or (target.num_layers,)
     def features_dir(ds) -> Path:
         # one store per dataset: a rerun that generated more data (or split off validation
-        # sequences) gets its own, instead of a stale store being refused
-        return Path(d.cache_dir) / "features" / dataset_hash(ds)
+        # sequences) gets its own, instead of a stale store being refused; and one per capture
+        # backend (a store of the other one stays where it is, unused)
+        engine = capture_backend(target, d.capture_batch_size) == "engine"
+        return Path(d.cache_dir) / "features" / (dataset_hash(ds) + ("-engine" if engine else ""))
 
     source = HiddenStateSource(d.hidden_states, target, layers, cache_dir=features_dir(train_ds),
                                capture_batch_size=d.capture_batch_size)
