@@ -126,9 +126,11 @@ def batch_order(n: int, batch_size: int, *, seed: int, epoch: int, shuffle: bool
 def capture_backend(target, capture_batch_size: int) -> str:
     """What runs the offline capture of ``target``: ``"engine"`` (the runtime's, chunked prefill of
     several examples per forward) when the capture is batched and the target decodes on the engine,
-    else ``"hf"`` (one unpadded forward per example, or padded batches). Measured on a 2-core Zen 5
-    EPYC, SmolLM2-135M bf16, 48 examples of 120-320 tokens, groups of 8: the engine 1,110-1,240 tok/s,
-    HF's padded batches 1,030-1,070 (docs/results.md, thirty-first session)."""
+    else ``"hf"`` (one unpadded forward per example, or padded batches). The engine's states are the
+    ones the drafter reads at inference. Speed (docs/results.md, thirty-first session; 2-core Zen 5
+    EPYC, SmolLM2-135M bf16, groups of 8): 1,110-1,240 tok/s against HF's padded batches' 1,030-1,070
+    in one process on random tokens, but the default recipe's capture took the same 2:41 either way
+    (compute-bound prefill near the CPU's bf16 ceiling in both)."""
     if capture_batch_size > 1 and getattr(target, "backend", "hf") == "engine":
         return "engine"
     return "hf"
