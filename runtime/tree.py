@@ -79,12 +79,11 @@ class Draft:
 
     @staticmethod
     def root_only(root: torch.Tensor, root_id: int | None = None) -> "Draft":
-        """Just the root ``[B]`` (a plain step); ``root_id``: one sequence's root as a host int, kept
-        as :attr:`host` (two tensor ops instead of five)."""
+        """Just the root ``[B]`` (a plain step); ``root_id``: one sequence's root as a host int
+        (:meth:`host_chain`: :attr:`host` set, two tensor ops instead of five)."""
         if root_id is None:
             return Draft.chain(root, root.new_zeros(root.shape[0], 0))
-        return Draft(root.view(1, 1), torch.full((1, 1), -1, dtype=torch.long, device=root.device),
-                     host=([root_id], [-1]))
+        return Draft.host_chain([root_id], root.device)
 
     @staticmethod
     def host_chain(ids: list[int], device: torch.device) -> "Draft":

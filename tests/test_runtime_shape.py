@@ -49,7 +49,7 @@ class _Timed:
         return _stats(self.seconds)
 
 
-def test_the_fastest_median_wins_and_the_budget_stops_new_prompts(monkeypatch, checkpoint, tiny):
+def test_a_candidate_faster_on_every_prompt_wins_and_the_budget_stops_new_prompts(monkeypatch, checkpoint, tiny):
     target, _ = tiny
     secs = {"adaptive": 0.8, "chain@2": 0.5, "chain@3": 0.4, "chain@4": 0.4}  # plain: 1.0
     fakes = {c: _Timed(s) for c, s in secs.items()}
