@@ -32,7 +32,7 @@ import functools
 import torch
 
 from . import cpu_attention, cpu_gemv, cpu_verify
-from .native import AVX512_BF16, build, ptr
+from .native import AMX_BF16, AVX512_BF16, build, ptr
 
 __all__ = ["MAX_TOKENS", "argmax", "available", "eagle3_draft", "layer_table", "log_softmax", "rms_norm", "run_layers",
            "supports", "unavailable_reason"]
@@ -41,6 +41,14 @@ __all__ = ["MAX_TOKENS", "argmax", "available", "eagle3_draft", "layer_table", "
 MAX_TOKENS = cpu_gemv.MAX_ROWS
 
 _LAYER = r"""
+/* the target's products: on the AMX tiles (weights from cpu_gemv.amx_pack) where the library is built
+   with them and the caller asks (amx), else the AVX-512 BF16 kernel */
+#ifdef SF_AMX
+#define TGEMV(amx, x, w, b, y, n, in, out, keep) \
+    if ((amx) ? sf_gemv_amx(x, w, b, y, n, in, out, 0) : (sf_gemv_dpbf16(x, w, b, y, n, in, out, keep), 0)) return 1
+#else
+#define TGEMV(amx, x, w, b, y, n, in, out, keep) sf_gemv_dpbf16(x, w, b, y, n, in, out, keep)
+#endif
 static inline __m512 ld16(const uint16_t *p) { return wid(_mm256_loadu_si256((const __m256i *)p)); }
 static inline void st16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
 static inline __m512 rnd(__m512 v) { return wid((__m256i)_mm512_cvtneps_pbh(v)); }  /* to bf16 and back */
@@ -118,7 +126,7 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
                const uint16_t *xin, int in_dim, uint16_t *x, const uint16_t *cs, const uint16_t *sn, uint16_t *kv,
                int64_t s_layer, int64_t s_kv, int64_t s_head, int past, const uint8_t *blk, const int32_t *fl,
                int nf, uint16_t *feats, uint16_t *wb, float *wf, int bw, int keep,
-               uint16_t *kt, int64_t t_layer, int64_t t_head, int kt_from) {
+               uint16_t *kt, int64_t t_layer, int64_t t_head, int kt_from, int amx) {
     int nqkv = (hq + 2 * hkv) * D, wide = in_dim > H ? in_dim : H;
     uint16_t *h = wb, *qkv = h + (int64_t)n * wide, *ao = qkv + (int64_t)n * nqkv, *o = ao + (int64_t)n * hq * D;
     uint16_t *gu = o + (int64_t)n * H, *m = gu + (int64_t)n * 2 * I;
@@ -133,7 +141,7 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
         const uint16_t *ain = xin;
         int k_in = in_dim;
         if (p[0]) { norm_rows(x, (const uint16_t *)p[0], h, n, H, eps); ain = h; k_in = H; }
-        sf_gemv_dpbf16(ain, (const uint16_t *)p[1], (const uint16_t *)p[2], qkv, n, k_in, nqkv, keep);
+        TGEMV(amx, ain, (const uint16_t *)p[1], (const uint16_t *)p[2], qkv, n, k_in, nqkv, keep);
         uint16_t *K = kv + l * s_layer, *V = K + s_kv;
         for (int t = 0; t < n; t++) {
             const uint16_t *row = qkv + (int64_t)t * nqkv, *c = cs + (int64_t)t * D, *s = sn + (int64_t)t * D;
@@ -157,10 +165,10 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
                       Kt, t_head))
             return 1;
         for (int64_t i = 0; i < (int64_t)n * hq * D; i += 16) st16(ao + i, _mm512_loadu_ps(of + i));
-        sf_gemv_dpbf16(ao, (const uint16_t *)p[3], 0, o, n, hq * D, H, keep);
+        TGEMV(amx, ao, (const uint16_t *)p[3], 0, o, n, hq * D, H, keep);
         for (int64_t i = 0; i < (int64_t)n * H; i += 16) st16(x + i, _mm512_add_ps(ld16(x + i), ld16(o + i)));
         norm_rows(x, (const uint16_t *)p[4], h, n, H, eps);
-        sf_gemv_dpbf16(h, (const uint16_t *)p[5], 0, gu, n, H, 2 * I, keep);
+        TGEMV(amx, h, (const uint16_t *)p[5], 0, gu, n, H, 2 * I, keep);
         for (int t = 0; t < n; t++)
             for (int i = 0; i < I; i += 16) {
                 __m512 g = ld16(gu + (int64_t)t * 2 * I + i), u = ld16(gu + (int64_t)t * 2 * I + I + i);
@@ -170,7 +178,7 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
                 __m512 sig = _mm512_mask_mul_ps(inv, neg, inv, e);  /* sigmoid: 1/(1+e) or e/(1+e) */
                 st16(m + (int64_t)t * I + i, _mm512_mul_ps(rnd(_mm512_mul_ps(g, sig)), u));
             }
-        sf_gemv_dpbf16(m, (const uint16_t *)p[6], 0, o, n, I, H, keep);
+        TGEMV(amx, m, (const uint16_t *)p[6], 0, o, n, I, H, keep);
         for (int64_t i = 0; i < (int64_t)n * H; i += 16) st16(x + i, _mm512_add_ps(ld16(x + i), ld16(o + i)));
     }
     return 0;
@@ -269,7 +277,7 @@ static int eagle3_tree(int depth, int k, int budget, const uint16_t *h, const in
         int W = S + ne;
         for (int e = 0; e < ne; e++) for (int c = 0; c < W; c++) blk[(size_t)e * W + c] = nrows[(size_t)e * Smax + c];
         if (sf_layers(ne, 1, H, hq, hkv, D, I, eps, scale, wp, xin, 2 * H, xs, csb, snb, kv, 0, s_kv, s_head, past + S,
-                      ne == 1 && S == 0 ? 0 : blk, 0, 0, 0, wb, wf, S ? W : 0, keep, 0, 0, 0, 0))
+                      ne == 1 && S == 0 ? 0 : blk, 0, 0, 0, wb, wf, S ? W : 0, keep, 0, 0, 0, 0, 0))
             goto done;
         for (int e = 0; e < ne; e++) {
             for (int i = 0; i < H; i++) fh[(int64_t)e * H + i] = xs[(int64_t)e * H + i];
@@ -328,7 +336,7 @@ int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, co
             norm_rows(x + (int64_t)t * H, hnw, xin + (int64_t)t * 2 * H + H, 1, H, eps);
         }
         if (sf_layers(n, 1, H, hq, hkv, D, I, eps, scale, wp, xin, 2 * H, x, cs, sn, kv, 0, s_kv, s_head, past,
-                      0, 0, 0, 0, wb, wf, 0, keep, 0, 0, 0, 0))
+                      0, 0, 0, 0, wb, wf, 0, keep, 0, 0, 0, 0, 0))
             return 1;
         for (int i = 0; i < H; i++) h[i] = x[(int64_t)(n - 1) * H + i];
         past += n; cs += (int64_t)n * D; sn += (int64_t)n * D;
@@ -355,7 +363,7 @@ int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, co
         norm_rows(emb + tokens[d] * H, inw, xin, 1, H, eps);
         norm_rows(h, hnw, xin + H, 1, H, eps);
         if (sf_layers(1, 1, H, hq, hkv, D, I, eps, scale, wp, xin, 2 * H, h, cs + (int64_t)d * D, sn + (int64_t)d * D,
-                      kv, 0, s_kv, s_head, past + d, 0, 0, 0, 0, wb, wf, 0, keep, 0, 0, 0, 0))
+                      kv, 0, s_kv, s_head, past + d, 0, 0, 0, 0, wb, wf, 0, keep, 0, 0, 0, 0, 0))
             return 1;
     }
     return 0;
@@ -363,18 +371,25 @@ int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, co
 """
 
 
-@functools.lru_cache(maxsize=1)
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
+@functools.lru_cache(maxsize=2)
+def _load(amx: bool = False) -> tuple[ctypes.CDLL | None, str | None]:
+    """The layer library; ``amx``: the build whose target products can run on the AMX tiles (CPUs with
+    them only)."""
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     # one library: the few-row product and the attention kernel are compiled in with the layer loop
     source = cpu_gemv._SOURCE_BF16 + cpu_attention._SOURCE_DECODE + cpu_verify._SOURCE + _LAYER
+    if amx:
+        if not cpu_gemv.amx_available():  # (which also asks Linux for the tile state)
+            return None, cpu_gemv.amx_unavailable_reason()
+        source = cpu_gemv._SOURCE_BF16 + cpu_gemv._SOURCE_AMX + "#define SF_AMX 1\n" + source[len(cpu_gemv._SOURCE_BF16):]
     args = [i32] * 7 + [f32, f32, p, p, i32, p, p, p, p, i64, i64, i64, i32, p, p, i32, p, p, p, i32, i32] \
-        + [p, i64, i64, i32]
+        + [p, i64, i64, i32, i32]
     draft = [i32, p, p, i32, p, p, i32, p, p, p, p, p, i32, p, p] + [i32] * 5 + [f32, f32, p, i64, i64, i32] + [p] * 7 \
         + [i32, f32, p, p, i32, i32, p, p]
     fns = {"sf_layers": args, "sf_rms_norm": [p, p, p, i64, i32, f32, i32], "sf_argmax_bf16": [p, i64, i64, p],
            "sf_eagle3_draft": draft, "sf_log_softmax_bf16": [p, i64, i64, p]}
-    return cpu_attention._returning_int(build("sflayers", source, fns, isa=AVX512_BF16), "sf_layers", "sf_eagle3_draft")
+    return cpu_attention._returning_int(build("sflayersamx" if amx else "sflayers", source, fns,
+                                              isa=AMX_BF16 if amx else AVX512_BF16), "sf_layers", "sf_eagle3_draft")
 
 
 def unavailable_reason() -> str | None:
@@ -459,7 +474,8 @@ def _layer_list(want: tuple[int, ...]) -> torch.Tensor:
 def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_kv: torch.Tensor,
                past: int, block: torch.Tensor | None, *, heads: tuple[int, int], intermediate: int, eps: float,
                scale: float, feature_layers: tuple[int, ...] = (), xin: torch.Tensor | None = None,
-               keep: bool = False, keys_t: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, list]:
+               keep: bool = False, keys_t: tuple[torch.Tensor, int] | None = None, amx: bool = False
+               ) -> tuple[torch.Tensor, list]:
     """The layers of ``table`` over the residual stream ``x`` ``[1, n, H]`` (bf16; a new tensor is
     returned, ``x`` is not changed): ``cos``/``sin`` ``[1, n, 1, D]``; ``layer_kv`` the cache
     ``[L, 2, 1, hkv, capacity, D]`` (the new K/V written at ``past``); ``block`` ``[1, n, k]`` bool over
@@ -470,10 +486,12 @@ def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
     stored transposed per 16-column block, ``[L, hkv, capacity, D]`` as
     :meth:`.kvcache.StaticKVCache.transposed_keys` keeps it, the first column it does not hold yet): the
     attention scores against it, and its columns from there through the new ones are written first.
-    Returns (x after the layers, ``[(i, x at the input of layer i)]`` for ``feature_layers`` below ``L``)."""
-    lib = _load()[0]
+    ``amx``: ``table``'s matrices are packed for the AMX tiles (:func:`.cpu_gemv.amx_pack`) and the
+    products run there. Returns (x after the layers, ``[(i, x at the input of layer i)]`` for
+    ``feature_layers`` below ``L``)."""
+    lib, why = _load(amx)
     if lib is None:
-        raise RuntimeError(f"the layer kernel is unavailable: {unavailable_reason()}")
+        raise RuntimeError(f"the layer kernel{' on AMX' if amx else ''} is unavailable: {why}")
     hq, hkv = heads
     L = table.shape[0]
     _, n, H = x.shape
@@ -508,7 +526,7 @@ def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
                            layer_kv.data_ptr(), layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(3), past,
                            ptr(b8), fl.data_ptr(), len(want), feats.data_ptr(),
                            wb.data_ptr(), wf.data_ptr(), bw, int(keep), ptr(kt),
-                           0 if kt is None else kt.stride(0), 0 if kt is None else kt.stride(1), kt_from)
+                           0 if kt is None else kt.stride(0), 0 if kt is None else kt.stride(1), kt_from, int(amx))
     cpu_attention.check(status)
     return x.view(1, n, H), [(i, feats[:, j].unsqueeze(0)) for j, i in enumerate(want)]
 

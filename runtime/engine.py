@@ -200,6 +200,10 @@ def _avx512bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     return F.linear(x, w, b)
 
 
+def _amx(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return cpu_gemv.gemv_amx(x, wp, b)
+
+
 # name -> (prepare a weight [out, in] once, apply(x, prepared, bias)); "aten" keeps the HF tensor
 KERNELS = {
     "aten": (lambda w: w, F.linear),
@@ -209,13 +213,19 @@ KERNELS = {
     "avx2": (lambda w: w.contiguous(), cpu_gemv.gemv),
     # AVX-512 BF16 few-row products (runtime/cpu_gemv.py gemv_bf16): bf16 weights only
     "avx512bf16": (lambda w: w.contiguous(), _avx512bf16),
+    # the same products on Intel's AMX tiles (cpu_gemv.gemv_amx): bf16 weights packed in its tile
+    # layout, every target matrix's sizes multiples of 32; offered only where they all are
+    "amx": (cpu_gemv.amx_pack, _amx),
 }
 
 #: bytes of weights the kernel choice streams per measured call (LlamaEngine._choose_kernels)
 MEASURE_BYTES = 128 << 20
 
 #: kernels made for a few rows: more than cpu_gemv.MAX_ROWS go to the many-row kernel (kernel_for)
-FEW_ROW = ("avx2", "avx512bf16")
+FEW_ROW = ("avx2", "avx512bf16", "amx")
+
+#: kernels the layer kernel (cpu_layers.run_layers) runs a step's products on
+LAYER_KERNELS = ("avx512bf16", "amx")
 
 
 def kernel_for(kernels: tuple[str, ...], rows: int) -> str:
@@ -245,7 +255,9 @@ class PreparedLinears:
     target's fused matrices do: one kernel call instead of three costs ~60 us less per head step."""
 
     def __init__(self, kernels: tuple[str, str]):
-        self.kernels = tuple(kernels)
+        # a head's weights are read from the caches every step, where the AVX-512 BF16 products
+        # (no tile packing, no prefetch) serve; the target's AMX choice says the CPU has them
+        self.kernels = tuple("avx512bf16" if k == "amx" else k for k in kernels)
         self._prepared: dict = {}
 
     @staticmethod
@@ -343,18 +355,47 @@ class LlamaEngine:
         its one C call saves the ~4,700 ops between the products (1.3-1.5x per forward on an EPYC,
         docs/results.md, twenty-third session), which a comparison of the products alone does not see,
         and a noisy product measurement picked another kernel here once."""
-        layer_kernels = ("avx512bf16", "avx512bf16", chosen[2] if len(chosen) > 2 else
-                         ("onednn" if "onednn" in chosen else "aten"))
-        if chosen[:2] == layer_kernels[:2] or self.device.type != "cpu" or self.layers[0]["q_norm"] is not None \
+        bulk = chosen[2] if len(chosen) > 2 else ("onednn" if "onednn" in chosen else "aten")
+        if self.device.type != "cpu" or self.layers[0]["q_norm"] is not None \
                 or not cpu_gemv.bf16_available() or not all(cpu_gemv.bf16_supports(w[k]) for w in self.layers
                                                              for k in _MATRICES if k in w) \
                 or not cpu_layers.supports(self.embed.shape[1], self.layers[0]["w_down"].shape[1], self.head_dim,
                                            self.dtype, 1):
             return chosen
-        self._prepare(layer_kernels)
-        with torch.inference_mode():
-            ours, theirs = self._forward_seconds(layer_kernels, chosen)
-        return layer_kernels if ours < theirs else chosen
+        # the layer kernel on the AVX-512 BF16 products, on the AMX tiles where they run here (their
+        # few-row products measured alone at 1 row are as fast, at 4-8 rows 1.1-1.4x faster: the
+        # tiles do 16 rows' work per weight load), and what the products alone chose
+        options = [(k, k, bulk) for k in LAYER_KERNELS if k == "avx512bf16" or self._amx_usable()]
+        # (AMX's sums differ from the other kernels' in the last bits: one-row and several-row steps
+        # on different ones would make a verified token's logits differ from a plain step's)
+        if chosen[:2] not in [o[:2] for o in options] and ("amx" not in chosen[:2] or chosen[0] == chosen[1]):
+            options.append(chosen)
+        best = options[0]
+        for other in options[1:]:
+            self._prepare(best)
+            self._prepare(other)
+            with torch.inference_mode():
+                ours, theirs = self._forward_seconds(best, other)
+            best = best if ours < theirs else other
+        self._drop_unused(best)
+        return best
+
+    def _amx_usable(self) -> bool:
+        """Whether every target matrix can run on the AMX kernel and the layer kernel's AMX build loads."""
+        return self.dtype == torch.bfloat16 and cpu_gemv.amx_available() \
+            and all(cpu_gemv.amx_supports(w[k]) for w in self._matrix_holders() for k in _MATRICES if k in w) \
+            and cpu_layers._load(True)[0] is not None
+
+    def _drop_unused(self, kernels: tuple[str, ...]) -> None:
+        """Free the prepared weights (and layer tables) of kernels a measurement tried but did not keep
+        (AMX's packed copies are another ~270 MB for SmolLM2-135M)."""
+        keep = kernels_used(kernels) | {"aten"}
+        for w in self._matrix_holders():
+            for key in [k for k in w if "@" in k and k.split("@", 1)[1] not in keep]:
+                del w[key]
+        tables = self.__dict__.get("_tables", {})
+        for name in [k for k in tables if k not in keep]:
+            del tables[name]
 
     def _forward_seconds(self, a: tuple[str, ...], b: tuple[str, ...]) -> tuple[float, float]:
         """Seconds of a 1-token plus a 4-token forward after 64 cached tokens with kernels ``a`` then
@@ -459,6 +500,8 @@ class LlamaEngine:
             candidates["avx2"] = mats
         if cpu_gemv.bf16_available() and all(cpu_gemv.bf16_supports(m) for m in mats):
             candidates["avx512bf16"] = mats
+        if self._amx_usable():
+            candidates["amx"] = [cpu_gemv.amx_pack(m) for m in mats]
         try:
             candidates["onednn"] = [_onednn_pack(m) for m in mats]
             _onednn(torch.zeros(1, mats[0].shape[1], dtype=self.dtype), candidates["onednn"][0])
@@ -558,17 +601,19 @@ class LlamaEngine:
         """The weight table of :func:`.cpu_layers.run_layers` when that runs this step (one sequence,
         bf16, up to :data:`.cpu_layers.MAX_TOKENS` tokens on the AVX-512 BF16 products, a mask over the
         new tokens only, no per-head Q/K norms), else None."""
-        if not self.use_layer_kernel or B != 1 or kernel_for(self.kernels, n) != "avx512bf16" \
+        kernel = kernel_for(self.kernels, n)
+        if not self.use_layer_kernel or B != 1 or kernel not in LAYER_KERNELS \
                 or (tree_mask is not None and tree_mask.shape[-1] != n) or self.layers[0]["q_norm"] is not None \
                 or kv.stride(-1) != 1 or kv.stride(-2) != kv.shape[-1]:
             return None
         if not cpu_layers.supports(self.embed.shape[1], self.layers[0]["w_down"].shape[1], self.head_dim,
                                    self.dtype, n):
             return None
-        table = self.__dict__.get("_table")
+        tables = self.__dict__.setdefault("_tables", {})
+        table = tables.get(kernel)
         if table is None:
-            key = "@avx512bf16"
-            table = self._table = cpu_layers.layer_table([
+            key = "@" + kernel
+            table = tables[kernel] = cpu_layers.layer_table([
                 {"ln1": w["ln1"], "wqkv": w["wqkv" + key], "bqkv": w["bqkv"], "wo": w["wo" + key], "ln2": w["ln2"],
                  "w_gu": w["w_gu" + key], "w_down": w["w_down" + key]} for w in self.layers])
         return table
@@ -583,7 +628,8 @@ class LlamaEngine:
         return cpu_layers.run_layers(
             table, F.embedding(input_ids.to(self.device), self.embed), cos, sin, kv, past, tree_mask,
             heads=(self.hq, self.hkv), intermediate=self.layers[0]["w_down"].shape[1], eps=self.eps,
-            scale=self.scale, feature_layers=feature_layers, keys_t=keys_t)
+            scale=self.scale, feature_layers=feature_layers, keys_t=keys_t,
+            amx=kernel_for(self.kernels, input_ids.shape[1]) == "amx")
 
     def run_layers(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention,
                    feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list]:

@@ -1,4 +1,4 @@
-"""Building and loading the runtime's small C kernels (x86 AVX2+FMA or AVX-512 BF16, OpenMP).
+"""Building and loading the runtime's small C kernels (x86 AVX2+FMA, AVX-512 BF16 or AMX, OpenMP).
 
 Scope: compile a kernel's C source once per machine with the system C compiler into
 ``~/.cache/specfoundry/kernels/<source hash>/`` and load it with ctypes; say why when that cannot
@@ -32,6 +32,8 @@ AVX2 = ({"avx2", "fma"}, ("-mavx2", "-mfma"))
 #: AVX-512 with the BF16 dot product (vdpbf16ps): AMD Zen 4+, Intel Cooper Lake / Sapphire Rapids+
 AVX512_BF16 = ({"avx512f", "avx512bw", "avx512_bf16"}, ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                                                         "-mavx512bf16"))
+#: AVX-512 BF16 plus AMX tiles with the BF16 tile product (Intel Sapphire Rapids and later)
+AMX_BF16 = (AVX512_BF16[0] | {"amx_tile", "amx_bf16"}, AVX512_BF16[1] + ("-mamx-tile", "-mamx-bf16"))
 
 #: the kernels' common C start: 8 bf16 (widened exactly: a shift) or fp32 values as one fp32 vector
 PRELUDE = r"""

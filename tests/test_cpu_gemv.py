@@ -1,5 +1,7 @@
-"""The AVX2 few-row kernel (runtime/cpu_gemv.py): equal to F.linear within rounding, the same bits
-for a row whatever else is in the product, and the engine's measured choice may pick it."""
+"""The few-row kernels (runtime/cpu_gemv.py: AVX2, AVX-512 BF16, AMX): equal to F.linear within
+rounding, the same bits for a row whatever else is in the product, greedy speculation on them equal
+to plain decoding, and the engine's measured choice may pick them. Each kernel's tests are skipped,
+with the reason, on CPUs without its instructions."""
 
 import pytest
 import torch
@@ -168,3 +170,70 @@ def test_cost_curve_measures_where_the_few_row_kernels_hand_over():
 
     sizes = inspect.signature(EngineTarget.cost_curve).parameters["sizes"].default
     assert {cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1} <= set(sizes)
+
+
+# -- the AMX kernel (gemv_amx); not run on CPUs without AMX tiles (AMD, Intel before Sapphire Rapids) ----
+needs_amx = pytest.mark.skipif(not cpu_gemv.amx_available(), reason=f"amx kernel unavailable: "
+                               f"{cpu_gemv.amx_unavailable_reason()}")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 20])  # 2 * rows rows of x: 16 and 18 (two groups) included
+@pytest.mark.parametrize("shape", [(32, 32), (96, 128), (64, 1536)])
+def test_gemv_amx_equals_linear(rows, shape):
+    g = torch.Generator().manual_seed(rows)
+    out_f, in_f = shape
+    w = torch.randn(out_f, in_f, generator=g).bfloat16()
+    b = torch.randn(out_f, generator=g).bfloat16()
+    x = torch.randn(2, rows, in_f, generator=g).bfloat16()
+    ref = F.linear(x.double(), w.double(), b.double())
+    wp = cpu_gemv.amx_pack(w)
+    got = cpu_gemv.gemv_amx(x, wp, b)
+    assert got.shape == (2, rows, out_f) and got.dtype == torch.bfloat16
+    assert (got.double() - ref).abs().max() <= 8e-3 * ref.abs().max()  # fp32 sums, one rounding to bf16
+    assert torch.equal(cpu_gemv.gemv_amx(x, wp), cpu_gemv.gemv_amx(x, wp, torch.zeros_like(b)))
+
+
+@needs_amx
+def test_gemv_amx_gives_a_row_the_same_bits_alone_and_in_any_batch():
+    # one row reads x in place, more are packed (16 per group, the last group narrower): the same sums
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 192, generator=g).bfloat16()
+    wp = cpu_gemv.amx_pack(w)
+    x = torch.randn(37, 192, generator=g).bfloat16()
+    alone = torch.cat([cpu_gemv.gemv_amx(x[i:i + 1], wp) for i in range(37)])
+    for n in (2, 3, 4, 8, 15, 16, 17, 33, 37):
+        assert torch.equal(cpu_gemv.gemv_amx(x[:n], wp), alone[:n])
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 if before > 1 else 2)
+    try:
+        assert torch.equal(cpu_gemv.gemv_amx(x, wp), alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_amx
+def test_gemv_amx_refuses_what_it_cannot_take():
+    with pytest.raises(ValueError, match="multiples of 32"):
+        cpu_gemv.amx_pack(torch.randn(33, 64).bfloat16())
+    with pytest.raises(ValueError, match="multiples of 32"):
+        cpu_gemv.amx_pack(torch.randn(32, 64))  # fp32
+    w = torch.randn(32, 64).bfloat16()
+    with pytest.raises(ValueError, match="amx_pack"):
+        cpu_gemv.gemv_amx(torch.randn(1, 64).bfloat16(), w)  # not packed
+    with pytest.raises(ValueError, match="bf16 inputs"):
+        cpu_gemv.gemv_amx(torch.randn(1, 64), cpu_gemv.amx_pack(w))
+
+
+@needs_amx
+def test_speculative_greedy_equals_plain_on_the_amx_kernel():
+    # the op-by-op forward (head_dim 16: no layer kernel) with every product on the tiles, more than
+    # 8 rows included: plain steps and verifications take each token's sums in the same order
+    from tiny_models import assert_greedy_speculation_is_plain, tiny_llama
+
+    from specfoundry.runtime.engine import LlamaEngine
+
+    target = tiny_llama(0, vocab=96, hidden=64, layers=3, dtype=torch.bfloat16, init_std=0.02)
+    target.engine = LlamaEngine(target.model, kernels=("amx", "amx", "amx"))
+    assert_greedy_speculation_is_plain(target, [("ngram", {}), ("eagle3", {"tree": "chain", "depth": 3}),
+                                                ("eagle3", {"depth": 3, "total_tokens": 12})], vocab=96)

@@ -357,6 +357,7 @@ def test_the_kernel_choice_weighs_whole_forwards_with_the_layer_kernel(monkeypat
     # against the op-by-op forward on that choice, and the faster stays
     target = _target()
     monkeypatch.setattr(LlamaEngine, "_choose_kernels", lambda self: ("onednn", "onednn"))
+    monkeypatch.setattr(LlamaEngine, "_amx_usable", lambda self: False)  # (the AMX option: below)
     timed = []
 
     def fake(self, a, b):
@@ -655,3 +656,76 @@ def test_the_draft_plan_is_taken_once_per_request_and_follows_edits():
     step_by_step = drafter.propose(ctx)
     assert fused.tokens.tolist() == step_by_step.tokens.tolist()
     assert fused.parents.tolist() == step_by_step.parents.tolist()
+
+
+# -- the layer kernel's products on the AMX tiles (cpu_gemv.gemv_amx); CPUs with AMX only ------------------
+needs_amx = pytest.mark.skipif(not cpu_layers._load(True)[0], reason=f"the layer kernel on AMX is unavailable: "
+                               f"{cpu_layers._load(True)[1]}")
+AMX = ("amx", "amx", "amx")
+
+
+@needs_amx
+@pytest.mark.parametrize("shape", ["one", "tree"])
+def test_engine_step_on_amx_equals_the_op_by_op_forward(monkeypatch, shape):
+    target = _target()
+    target.engine = LlamaEngine(target.model, kernels=AMX)
+    calls = _spy(monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, 96, (1, 40), generator=g)
+    n = {"one": 1, "tree": 7}[shape]
+    toks = torch.randint(0, 96, (1, n), generator=g)
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 4]])[:, :n]
+    pos, mask = 40 + tree_depths(parents), ancestor_matrix(parents)
+    outs = {}
+    for on in (False, True):
+        target.engine.use_layer_kernel = on
+        cache = target.new_cache(capacity=64)
+        target.forward(prefix, cache)
+        cache.commit()
+        out = target.forward(toks, cache, position_ids=pos, tree_mask=mask, feature_layers=(2, 3))
+        outs[on] = (out.logits.float(), out.features.float(), cache.kv[..., 40: 40 + n, :].float())
+    assert calls == [n]
+    for a, b in zip(outs[False], outs[True]):  # the same tile products; the glue's roundings as above
+        assert (a - b).abs().max() <= 0.02 * a.abs().max()
+
+
+@needs_amx
+def test_greedy_speculation_equals_plain_on_the_amx_layer_kernel(monkeypatch):
+    target = _target()
+    target.engine = LlamaEngine(target.model, kernels=AMX)
+    calls = _spy(monkeypatch)
+    assert_greedy_speculation_is_plain(target, [("ngram", {}), ("eagle3", {"tree": "chain", "depth": 3}),
+                                                ("eagle3", {"depth": 3, "total_tokens": 8})], vocab=96)
+    assert 1 in calls and max(calls) > 1
+    # the heads' own products stay on the AVX-512 BF16 kernel (their weights are read from the caches)
+    head = load_drafter("eagle3", target=target).head
+    assert head.__dict__["_linears"].kernels == ("avx512bf16", "avx512bf16", "avx512bf16")
+
+
+@needs_amx
+@pytest.mark.parametrize("winner", ["avx512bf16", "amx"])
+def test_the_kernel_choice_times_the_amx_layer_kernel_and_never_mixes(monkeypatch, winner):
+    # the products alone chose AVX-512 BF16 for one row and AMX for several: that mix is not offered
+    # (a verified token's logits would differ from a plain step's in the last bits); the two layer
+    # kernels are timed against each other and the loser's prepared weights are dropped
+    target = _target()
+    monkeypatch.setattr(LlamaEngine, "_choose_kernels", lambda self: ("avx512bf16", "amx", "onednn"))
+    timed = []
+
+    def fake(self, a, b):
+        timed.append((a, b))
+        return (1.0, 2.0) if a[0] == winner else (2.0, 1.0)
+
+    monkeypatch.setattr(LlamaEngine, "_forward_seconds", fake)
+    eng = LlamaEngine(target.model)
+    assert timed == [(("avx512bf16", "avx512bf16", "onednn"), ("amx", "amx", "onednn"))]
+    assert eng.kernels == (winner, winner, "onednn")
+    loser = "amx" if winner == "avx512bf16" else "avx512bf16"
+    keys = {k for w in eng.layers + [eng.head] for k in w}
+    assert not any(k.endswith("@" + loser) for k in keys) and any(k.endswith("@" + winner) for k in keys)
+    cache = eng.new_cache(capacity=16)
+    with torch.inference_mode():
+        out = eng.forward(torch.tensor([[1, 2, 3]]), cache, torch.arange(3).view(1, 3))
+        cache.commit()
+        one = eng.forward(torch.tensor([[4]]), cache)
+    assert out.logits.shape == (1, 3, 96) and one.logits.shape == (1, 1, 96)
