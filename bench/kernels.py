@@ -29,7 +29,7 @@ def kernel_table(engine, rows=(1, 2, 4, 8, 16, 32), reps: int = 3) -> dict[str, 
         try:
             prepared = [prepare(m) for m in mats]
             apply(torch.zeros(1, mats[0].shape[1], dtype=mats[0].dtype), prepared[0])
-        except (RuntimeError, AttributeError):  # not in this build / not on this CPU
+        except (RuntimeError, AttributeError, ValueError):  # not in this build / not on this CPU / these shapes
             continue
         out[name] = {}
         for n in rows:

@@ -19,18 +19,8 @@ import copy
 
 import torch
 
+from . import native
 from .engine import best_seconds
-
-
-def _available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def plain_step_seconds(target, reps: int = 5, past: int = 64) -> float:
@@ -57,7 +47,7 @@ def choose(model, wrap, device: torch.device, reps: int = 5) -> tuple[torch.dtyp
     if device.type != "cpu":
         return torch.float32, {"reason": f"{device.type}: float32 (not measured)"}
     nbytes = sum(p.numel() * 4 for p in model.parameters())
-    avail = _available_bytes()
+    avail = native.available_memory()
     if avail is not None and 1.5 * nbytes > avail:
         return torch.bfloat16, {"reason": f"a float32 copy ({nbytes / 2**30:.1f} GiB) would not fit next to the "
                                           f"bfloat16 one in {avail / 2**30:.1f} GiB available: bfloat16 unmeasured"}

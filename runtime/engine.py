@@ -40,7 +40,7 @@ from operator import attrgetter, methodcaller
 import torch
 import torch.nn.functional as F
 
-from . import cpu_attention, cpu_gemv, cpu_layers
+from . import cpu_attention, cpu_gemv, cpu_layers, native
 from .kvcache import MaskBuffer, StaticKVCache, attend, grouped_attention, prefill_causal, rotate
 from .target import TargetModel, TargetOutput
 
@@ -242,6 +242,13 @@ def kernel_for(kernels: tuple[str, ...], rows: int) -> str:
     return "onednn" if "onednn" in kernels else "aten"
 
 
+def head_kernels(kernels: tuple[str, ...]) -> tuple[str, ...]:
+    """The kernels a speculator head runs its products on when its target's engine chose ``kernels``:
+    the same, except AVX-512 BF16 for AMX (a head's weights are read from the caches every step,
+    where those products need no tile packing)."""
+    return tuple("avx512bf16" if k == "amx" else k for k in kernels)
+
+
 def kernels_used(kernels: tuple[str, ...]) -> set[str]:
     """Every kernel :func:`kernel_for` can pick from ``kernels`` (what to prepare weights for)."""
     return set(kernels) | {kernel_for(kernels, cpu_gemv.MAX_ROWS + 1)}
@@ -257,7 +264,7 @@ class PreparedLinears:
     def __init__(self, kernels: tuple[str, str]):
         # a head's weights are read from the caches every step, where the AVX-512 BF16 products
         # (no tile packing, no prefetch) serve; the target's AMX choice says the CPU has them
-        self.kernels = tuple("avx512bf16" if k == "amx" else k for k in kernels)
+        self.kernels = head_kernels(kernels)
         self._prepared: dict = {}
 
     @staticmethod
@@ -381,9 +388,12 @@ class LlamaEngine:
         return best
 
     def _amx_usable(self) -> bool:
-        """Whether every target matrix can run on the AMX kernel and the layer kernel's AMX build loads."""
-        return self.dtype == torch.bfloat16 and cpu_gemv.amx_available() \
-            and all(cpu_gemv.amx_supports(w[k]) for w in self._matrix_holders() for k in _MATRICES if k in w) \
+        """Whether every target matrix can run on the AMX kernel, the layer kernel's AMX build loads, and
+        the packed copies (made to time it: as many bytes as the matrices) fit well in free memory."""
+        mats = [w[k] for w in self._matrix_holders() for k in _MATRICES if k in w]
+        free = native.available_memory()
+        return self.dtype == torch.bfloat16 and cpu_gemv.amx_available() and all(map(cpu_gemv.amx_supports, mats)) \
+            and (free is None or 2 * sum(m.numel() * m.element_size() for m in mats) < free) \
             and cpu_layers._load(True)[0] is not None
 
     def _drop_unused(self, kernels: tuple[str, ...]) -> None:

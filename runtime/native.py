@@ -3,7 +3,8 @@
 Scope: compile a kernel's C source once per machine with the system C compiler into
 ``~/.cache/specfoundry/kernels/<source hash>/`` and load it with ctypes; say why when that cannot
 be done. The kernels themselves live with their callers (:mod:`.cpu_gemv`, :mod:`.cpu_attention`).
-Also :func:`release_free_memory`, glibc's ``malloc_trim`` for long-running servers.
+Also :func:`release_free_memory`, glibc's ``malloc_trim`` for long-running servers, and
+:func:`available_memory`.
 
 OpenMP: the kernels use the OpenMP runtime torch already loaded (same ``libgomp.so.1``), so
 ``torch.set_num_threads`` governs them too. No compiler, no AVX2/FMA, or a failed build: the
@@ -101,6 +102,18 @@ def build(name: str, source: str, functions: dict[str, list],
         fn.restype = None
         fn.argtypes = argtypes
     return lib, None
+
+
+def available_memory() -> int | None:
+    """Bytes of memory Linux says are available now (``MemAvailable``), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 @functools.lru_cache(maxsize=1)

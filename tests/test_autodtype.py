@@ -57,7 +57,7 @@ def test_step_time_is_measured_on_the_served_path(tiny_dir):
 
 
 def test_without_room_for_a_float32_copy_auto_takes_bfloat16_unmeasured(tiny_dir, monkeypatch):
-    monkeypatch.setattr(autodtype, "_available_bytes", lambda: 1000)
+    monkeypatch.setattr(autodtype.native, "available_memory", lambda: 1000)
     model = LlamaForCausalLM.from_pretrained(tiny_dir)
     dt, info = autodtype.choose(model, lambda m: wrap_target(m), torch.device("cpu"))
     assert dt == torch.bfloat16 and "would not fit" in info["reason"] and "ms_per_token" not in info

@@ -118,13 +118,19 @@ def test_gemv_bf16_gives_a_row_the_same_bits_alone_and_in_any_batch():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(131, 96, generator=g).bfloat16()  # an odd last weight row: 4-5 rows pair the others
     x = torch.randn(11, 96, generator=g).bfloat16()
-    alone = torch.cat([cpu_gemv.gemv_bf16(x[i:i + 1], w) for i in range(11)])
-    for n in (2, 3, 4, 5, 8, 9, 11):
-        assert torch.equal(cpu_gemv.gemv_bf16(x[:n], w), alone[:n])
+    _assert_rows_independent(lambda xs: cpu_gemv.gemv_bf16(xs, w), x, (2, 3, 4, 5, 8, 9, 11))
+
+
+def _assert_rows_independent(product, x: torch.Tensor, sizes: tuple[int, ...]) -> None:
+    """``product`` of the first n rows of ``x`` (each n in ``sizes``, and all rows at another thread
+    count) gives each row the bits it gets alone."""
+    alone = torch.cat([product(x[i:i + 1]) for i in range(len(x))])
+    for n in sizes:
+        assert torch.equal(product(x[:n]), alone[:n])
     before = torch.get_num_threads()
     torch.set_num_threads(1 if before > 1 else 2)
     try:
-        assert torch.equal(cpu_gemv.gemv_bf16(x, w), alone)
+        assert torch.equal(product(x), alone)
     finally:
         torch.set_num_threads(before)
 
@@ -201,15 +207,7 @@ def test_gemv_amx_gives_a_row_the_same_bits_alone_and_in_any_batch():
     w = torch.randn(96, 192, generator=g).bfloat16()
     wp = cpu_gemv.amx_pack(w)
     x = torch.randn(37, 192, generator=g).bfloat16()
-    alone = torch.cat([cpu_gemv.gemv_amx(x[i:i + 1], wp) for i in range(37)])
-    for n in (2, 3, 4, 8, 15, 16, 17, 33, 37):
-        assert torch.equal(cpu_gemv.gemv_amx(x[:n], wp), alone[:n])
-    before = torch.get_num_threads()
-    torch.set_num_threads(1 if before > 1 else 2)
-    try:
-        assert torch.equal(cpu_gemv.gemv_amx(x, wp), alone)
-    finally:
-        torch.set_num_threads(before)
+    _assert_rows_independent(lambda xs: cpu_gemv.gemv_amx(xs, wp), x, (2, 3, 4, 8, 15, 16, 17, 33, 37))
 
 
 @needs_amx
@@ -237,3 +235,19 @@ def test_speculative_greedy_equals_plain_on_the_amx_kernel():
     target.engine = LlamaEngine(target.model, kernels=("amx", "amx", "amx"))
     assert_greedy_speculation_is_plain(target, [("ngram", {}), ("eagle3", {"tree": "chain", "depth": 3}),
                                                 ("eagle3", {"depth": 3, "total_tokens": 12})], vocab=96)
+
+
+def test_the_kernel_table_lists_what_runs_here():
+    # python -m specfoundry.bench.kernels: every kernel that runs on this CPU and these weights, and
+    # none that cannot (AMX takes bf16 only; on an fp32 target it is left out, not an error)
+    from tiny_models import tiny_llama
+
+    from specfoundry.bench.kernels import kernel_table
+    from specfoundry.runtime.engine import LlamaEngine
+
+    for dtype in (torch.float32, torch.bfloat16):
+        target = tiny_llama(0, vocab=96, hidden=64, layers=2, dtype=dtype, init_std=0.02)
+        table = kernel_table(LlamaEngine(target.model, kernels=("aten", "aten")), rows=(1, 4), reps=1)
+        assert set(table["aten"]) == {1, 4} and all(v > 0 for v in table["aten"].values())
+        assert ("amx" in table) == (dtype == torch.bfloat16 and cpu_gemv.amx_available())
+        assert ("avx512bf16" in table) == (dtype == torch.bfloat16 and cpu_gemv.bf16_available())

@@ -1,8 +1,9 @@
 """All decoder layers of one sequence's step in one C call (runtime/cpu_layers.py): the engine's
 decode and verification forwards and the EAGLE heads' drafting layer on it equal the op-by-op
 forward within bf16 rounding (logits, requested features, the K/V written), with Q/K/V biases
-(Qwen2) and tree masks; greedy speculation stays the plain output through it; bad inputs are
-refused. Not run on CPUs without avx512_bf16 (the engine keeps the op-by-op forward there)."""
+(Qwen2) and tree masks, on the AVX-512 BF16 products and on the AMX tiles; greedy speculation stays the
+plain output through it; bad inputs are refused. Not run on CPUs without avx512_bf16 (the engine keeps
+the op-by-op forward there); the AMX cases only on CPUs with AMX."""
 
 import pytest
 import torch
@@ -20,9 +21,12 @@ pytestmark = pytest.mark.skipif(not cpu_layers.available(),
                                 reason=f"layer kernel unavailable: {cpu_layers.unavailable_reason()}")
 
 FEW_ROW = ("avx512bf16", "avx512bf16", "avx512bf16")
+AMX = ("amx", "amx", "amx")
+needs_amx = pytest.mark.skipif(not cpu_layers._load(True)[0], reason=f"the layer kernel on AMX is unavailable: "
+                               f"{cpu_layers._load(True)[1]}")
 
 
-def _target(arch: str = "llama", seed: int = 0, init_std: float = 0.02):
+def _target(arch: str = "llama", seed: int = 0, init_std: float = 0.02, kernels: tuple[str, ...] = FEW_ROW):
     if arch == "llama":
         target = tiny_llama(seed, vocab=96, hidden=128, layers=3, dtype=torch.bfloat16, init_std=init_std)
     else:  # Qwen2: biases on Q/K/V
@@ -36,7 +40,7 @@ def _target(arch: str = "llama", seed: int = 0, init_std: float = 0.02):
                 for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     lin.bias.normal_(0, 0.5)
         target = wrap_target(model, name="tiny-qwen2", backend="engine")
-    target.engine = LlamaEngine(target.model, kernels=FEW_ROW)
+    target.engine = LlamaEngine(target.model, kernels=kernels)
     return target
 
 
@@ -47,10 +51,11 @@ def _spy(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("kernels", [FEW_ROW, pytest.param(AMX, marks=needs_amx)], ids=["avx512bf16", "amx"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("shape", ["one", "chain", "tree"])
-def test_engine_step_equals_the_op_by_op_forward(monkeypatch, arch, shape):
-    target = _target(arch)
+def test_engine_step_equals_the_op_by_op_forward(monkeypatch, arch, shape, kernels):
+    target = _target(arch, kernels=kernels)
     calls = _spy(monkeypatch)
     g = torch.Generator().manual_seed(1)
     prefix = torch.randint(0, 96, (1, 40), generator=g)
@@ -659,40 +664,9 @@ def test_the_draft_plan_is_taken_once_per_request_and_follows_edits():
 
 
 # -- the layer kernel's products on the AMX tiles (cpu_gemv.gemv_amx); CPUs with AMX only ------------------
-needs_amx = pytest.mark.skipif(not cpu_layers._load(True)[0], reason=f"the layer kernel on AMX is unavailable: "
-                               f"{cpu_layers._load(True)[1]}")
-AMX = ("amx", "amx", "amx")
-
-
-@needs_amx
-@pytest.mark.parametrize("shape", ["one", "tree"])
-def test_engine_step_on_amx_equals_the_op_by_op_forward(monkeypatch, shape):
-    target = _target()
-    target.engine = LlamaEngine(target.model, kernels=AMX)
-    calls = _spy(monkeypatch)
-    g = torch.Generator().manual_seed(1)
-    prefix = torch.randint(0, 96, (1, 40), generator=g)
-    n = {"one": 1, "tree": 7}[shape]
-    toks = torch.randint(0, 96, (1, n), generator=g)
-    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 4]])[:, :n]
-    pos, mask = 40 + tree_depths(parents), ancestor_matrix(parents)
-    outs = {}
-    for on in (False, True):
-        target.engine.use_layer_kernel = on
-        cache = target.new_cache(capacity=64)
-        target.forward(prefix, cache)
-        cache.commit()
-        out = target.forward(toks, cache, position_ids=pos, tree_mask=mask, feature_layers=(2, 3))
-        outs[on] = (out.logits.float(), out.features.float(), cache.kv[..., 40: 40 + n, :].float())
-    assert calls == [n]
-    for a, b in zip(outs[False], outs[True]):  # the same tile products; the glue's roundings as above
-        assert (a - b).abs().max() <= 0.02 * a.abs().max()
-
-
 @needs_amx
 def test_greedy_speculation_equals_plain_on_the_amx_layer_kernel(monkeypatch):
-    target = _target()
-    target.engine = LlamaEngine(target.model, kernels=AMX)
+    target = _target(kernels=AMX)
     calls = _spy(monkeypatch)
     assert_greedy_speculation_is_plain(target, [("ngram", {}), ("eagle3", {"tree": "chain", "depth": 3}),
                                                 ("eagle3", {"depth": 3, "total_tokens": 8})], vocab=96)
