@@ -541,6 +541,11 @@ class LlamaEngine:
         # alone two kernels within a few percent swapped places between runs (a mis-pick cost 1.3x at
         # 3 rows on an EPYC with avx512_bf16)
         several, costs = best_of([k for k in candidates if k != "gemv_t"], (2, 4, 8))
+        if "amx" in (one, several) and one != several:
+            # AMX's sums differ from every other kernel's in the last bits: one-row and several-row
+            # products on different ones would make a verified token's logits differ from a plain
+            # step's; its one-row products measured as fast as AVX-512 BF16's, so it takes both or neither
+            one = "amx" if several == "amx" else best_of([k for k in candidates if k != "amx"], (1,))[0]
         if several not in FEW_ROW:
             return (one, several)
         # products of more rows than a few-row kernel takes in one pass (prefill, batched generation, big trees):
@@ -609,7 +614,7 @@ class LlamaEngine:
 
     def _layer_table(self, B: int, n: int, tree_mask: torch.Tensor | None, kv: torch.Tensor) -> torch.Tensor | None:
         """The weight table of :func:`.cpu_layers.run_layers` when that runs this step (one sequence,
-        bf16, up to :data:`.cpu_layers.MAX_TOKENS` tokens on the AVX-512 BF16 products, a mask over the
+        bf16, up to :data:`.cpu_layers.MAX_TOKENS` tokens on the AVX-512 BF16 or AMX products, a mask over the
         new tokens only, no per-head Q/K norms), else None."""
         kernel = kernel_for(self.kernels, n)
         if not self.use_layer_kernel or B != 1 or kernel not in LAYER_KERNELS \

@@ -100,17 +100,24 @@ needs_bf16 = pytest.mark.skipif(not cpu_gemv.bf16_available(), reason=f"avx512bf
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 20])
 @pytest.mark.parametrize("shape", [(72, 40), (130, 64), (33, 34), (7, 1536)])  # in % 32 != 0: the masked tail
 def test_gemv_bf16_equals_linear(rows, shape):  # 2 * rows rows of x: 4 (two weight rows per pass) included
+    x, w, b = _bf16_case(rows, shape)
+    _assert_is_linear(cpu_gemv.gemv_bf16(x, w, b), x, w, b)
+    assert torch.equal(cpu_gemv.gemv_bf16(x, w), cpu_gemv.gemv_bf16(x, w, torch.zeros_like(b)))
+
+
+def _bf16_case(rows: int, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+    """x ``[2, rows, in]``, w ``[out, in]``, b ``[out]``: random bf16."""
     g = torch.Generator().manual_seed(rows)
     out_f, in_f = shape
-    w = torch.randn(out_f, in_f, generator=g).bfloat16()
-    b = torch.randn(out_f, generator=g).bfloat16()
-    x = torch.randn(2, rows, in_f, generator=g).bfloat16()
+    return (torch.randn(2, rows, in_f, generator=g).bfloat16(), torch.randn(out_f, in_f, generator=g).bfloat16(),
+            torch.randn(out_f, generator=g).bfloat16())
+
+
+def _assert_is_linear(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> None:
     ref = F.linear(x.double(), w.double(), b.double())
-    got = cpu_gemv.gemv_bf16(x, w, b)
-    assert got.shape == (2, rows, out_f) and got.dtype == torch.bfloat16
+    assert got.shape == ref.shape and got.dtype == torch.bfloat16
     # exact products, fp32 sums, one rounding to bf16 (2^-8 relative)
     assert (got.double() - ref).abs().max() <= 8e-3 * ref.abs().max()
-    assert torch.equal(cpu_gemv.gemv_bf16(x, w), cpu_gemv.gemv_bf16(x, w, torch.zeros_like(b)))
 
 
 @needs_bf16
@@ -187,16 +194,9 @@ needs_amx = pytest.mark.skipif(not cpu_gemv.amx_available(), reason=f"amx kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 20])  # 2 * rows rows of x: 16 and 18 (two groups) included
 @pytest.mark.parametrize("shape", [(32, 32), (96, 128), (64, 1536)])
 def test_gemv_amx_equals_linear(rows, shape):
-    g = torch.Generator().manual_seed(rows)
-    out_f, in_f = shape
-    w = torch.randn(out_f, in_f, generator=g).bfloat16()
-    b = torch.randn(out_f, generator=g).bfloat16()
-    x = torch.randn(2, rows, in_f, generator=g).bfloat16()
-    ref = F.linear(x.double(), w.double(), b.double())
+    x, w, b = _bf16_case(rows, shape)
     wp = cpu_gemv.amx_pack(w)
-    got = cpu_gemv.gemv_amx(x, wp, b)
-    assert got.shape == (2, rows, out_f) and got.dtype == torch.bfloat16
-    assert (got.double() - ref).abs().max() <= 8e-3 * ref.abs().max()  # fp32 sums, one rounding to bf16
+    _assert_is_linear(cpu_gemv.gemv_amx(x, wp, b), x, w, b)
     assert torch.equal(cpu_gemv.gemv_amx(x, wp), cpu_gemv.gemv_amx(x, wp, torch.zeros_like(b)))
 
 

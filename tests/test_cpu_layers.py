@@ -703,3 +703,27 @@ def test_the_kernel_choice_times_the_amx_layer_kernel_and_never_mixes(monkeypatc
         cache.commit()
         one = eng.forward(torch.tensor([[4]]), cache)
     assert out.logits.shape == (1, 3, 96) and one.logits.shape == (1, 1, 96)
+
+
+@needs_amx
+@pytest.mark.parametrize("measured", [("avx512bf16", "amx"), ("amx", "onednn")])
+def test_the_products_alone_never_choose_amx_for_one_row_count_only(monkeypatch, measured):
+    # the products' timings say (one-row winner, several-row winner); AMX for only one of them is not
+    # returned: it takes both row counts or neither
+    from specfoundry.runtime import engine as engine_mod
+
+    one, several = measured
+    eng = _target().engine
+    last = {}
+    kernels = dict(engine_mod.KERNELS)
+
+    def timed_apply(name):
+        def apply(x, p, b=None):
+            last["cost"] = 1.0 if name == (one if x.shape[0] == 1 else several) else 2.0
+            return kernels[name][1](x, p, b)
+        return apply
+
+    monkeypatch.setattr(engine_mod, "KERNELS", {k: (v[0], timed_apply(k)) for k, v in kernels.items()})
+    monkeypatch.setattr(engine_mod, "best_seconds", lambda fn, *a, **k: fn() and last.pop("cost"))
+    chosen = eng._choose_kernels()
+    assert "amx" in chosen[:2] and chosen[0] == chosen[1] == "amx" if several == "amx" else "amx" not in chosen[:2]
