@@ -392,13 +392,13 @@ def _load(amx: bool = False) -> tuple[ctypes.CDLL | None, str | None]:
                                               isa=AMX_BF16 if amx else AVX512_BF16), "sf_layers", "sf_eagle3_draft")
 
 
-def unavailable_reason() -> str | None:
-    """None when the layer kernel can run here, else why not."""
-    return _load()[1]
+def unavailable_reason(amx: bool = False) -> str | None:
+    """None when the layer kernel (``amx``: its build on the AMX tiles) can run here, else why not."""
+    return _load(amx)[1]
 
 
-def available() -> bool:
-    return _load()[0] is not None
+def available(amx: bool = False) -> bool:
+    return _load(amx)[0] is not None
 
 
 def supports(hidden: int, intermediate: int, head_dim: int, dtype: torch.dtype, n: int) -> bool:

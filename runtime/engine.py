@@ -200,10 +200,6 @@ def _avx512bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     return F.linear(x, w, b)
 
 
-def _amx(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    return cpu_gemv.gemv_amx(x, wp, b)
-
-
 # name -> (prepare a weight [out, in] once, apply(x, prepared, bias)); "aten" keeps the HF tensor
 KERNELS = {
     "aten": (lambda w: w, F.linear),
@@ -215,7 +211,7 @@ KERNELS = {
     "avx512bf16": (lambda w: w.contiguous(), _avx512bf16),
     # the same products on Intel's AMX tiles (cpu_gemv.gemv_amx): bf16 weights packed in its tile
     # layout, every target matrix's sizes multiples of 32; offered only where they all are
-    "amx": (cpu_gemv.amx_pack, _amx),
+    "amx": (cpu_gemv.amx_pack, cpu_gemv.gemv_amx),
 }
 
 #: bytes of weights the kernel choice streams per measured call (LlamaEngine._choose_kernels)
@@ -394,7 +390,7 @@ class LlamaEngine:
         free = native.available_memory()
         return self.dtype == torch.bfloat16 and cpu_gemv.amx_available() and all(map(cpu_gemv.amx_supports, mats)) \
             and (free is None or 2 * sum(m.numel() * m.element_size() for m in mats) < free) \
-            and cpu_layers._load(True)[0] is not None
+            and cpu_layers.available(amx=True)
 
     def _drop_unused(self, kernels: tuple[str, ...]) -> None:
         """Free the prepared weights (and layer tables) of kernels a measurement tried but did not keep

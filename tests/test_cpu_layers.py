@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(not cpu_layers.available(),
 
 FEW_ROW = ("avx512bf16", "avx512bf16", "avx512bf16")
 AMX = ("amx", "amx", "amx")
-needs_amx = pytest.mark.skipif(not cpu_layers._load(True)[0], reason=f"the layer kernel on AMX is unavailable: "
-                               f"{cpu_layers._load(True)[1]}")
+needs_amx = pytest.mark.skipif(not cpu_layers.available(amx=True), reason=f"the layer kernel on AMX is unavailable: "
+                               f"{cpu_layers.unavailable_reason(amx=True)}")
 
 
 def _target(arch: str = "llama", seed: int = 0, init_std: float = 0.02, kernels: tuple[str, ...] = FEW_ROW):
@@ -498,18 +498,20 @@ def test_on_the_avx512_attention_every_serving_step_attends_by_the_kernel():
     assert (a - b).abs().max() <= 0.02 * b.abs().max() and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
 
 
-def test_speculative_sampling_through_the_kernel_keeps_the_target_distribution(monkeypatch):
+@pytest.mark.parametrize("kernels, V, STEPS", [(FEW_ROW, 5, 3), pytest.param(AMX, 32, 2, marks=needs_amx)],
+                         ids=["avx512bf16", "amx"])  # AMX takes vocabularies of multiples of 32
+def test_speculative_sampling_through_the_kernel_keeps_the_target_distribution(monkeypatch, kernels, V, STEPS):
     # T=1 with an EAGLE-3 chain, every target step and head step on the layer kernel, the chain sampled
     # in the head's C call and verified in C (cpu_verify): the distribution
     # of the first STEPS tokens is the target's own (exact, from the engine's forward), by chi-square;
     # the same harness rejects the head's own distribution
-    from test_sampling_lossless import PROMPT, STEPS, V, goodness_of_fit
+    from test_sampling_lossless import PROMPT, goodness_of_fit
 
     from specfoundry.runtime import SpeculativeGenerator, probs_from_logits
     from specfoundry.runtime.sampling import SamplingParams
 
     target = tiny_llama(5, vocab=V, hidden=128, layers=2, dtype=torch.bfloat16, init_std=0.3)
-    target.engine = LlamaEngine(target.model, kernels=FEW_ROW)
+    target.engine = LlamaEngine(target.model, kernels=kernels)
     calls = _spy(monkeypatch)
     params = SamplingParams(1.0)
     exact = {}

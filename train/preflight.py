@@ -110,12 +110,11 @@ def cuda_devices() -> tuple[int, list[tuple[float, float]] | None, str]:
 
 
 def host_memory_available() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
+    from specfoundry.runtime.native import available_memory
+
+    avail = available_memory()
+    if avail is not None:
+        return float(avail)
     try:
         return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
