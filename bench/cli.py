@@ -168,6 +168,16 @@ def run_cli(args) -> int:
     target = load_target(args.target, device=args.device, dtype=DTYPES[args.dtype], backend=args.backend)
     factory = MethodFactory(target, args.run)
     methods, unavailable = build_methods(factory, target, args.target, args.methods, args.peers, out / "engines")
+    from .plain_kernels import apply_plain_kernels, kernels_name, plain_kernel_choice
+
+    # speed-ups count against the fastest plain decoding: on the products that decode fastest here
+    choice = plain_kernel_choice(target, target.encode_chat([{"role": "user", "content": prompts[0].turns[0]}]))
+    if choice["ms_per_token"]:
+        print("[bench] plain decoding by products: " + ", ".join(
+            f"{kernels_name(k)} {ms:.2f} ms/token" for k, ms in choice["ms_per_token"].items())
+            + f"; plain runs on {kernels_name(choice['plain'])}, the speculative methods on the engine's "
+              f"{kernels_name(choice['engine'])}", file=sys.stderr)
+    methods = apply_plain_kernels(methods, target, choice)
     for u in unavailable:
         print(f"[bench] {u['name']}: {u['reason']}", file=sys.stderr)
     env = environment()  # before the run: the commit and threads that measured, not those at the end
@@ -187,7 +197,9 @@ def run_cli(args) -> int:
         "repeats": args.repeats, "seed": args.seed, "stop_at_eos": not args.ignore_eos,
         "datasets": sorted({p.dataset for p in prompts}), "limit": args.limit, "runs": [str(r) for r in args.run],
         "categories": sorted({p.key for p in prompts}), "prompts": len(prompts),
-        "turns": sum(len(p.turns) for p in prompts), "device": args.device}, env)
+        "turns": sum(len(p.turns) for p in prompts), "device": args.device,
+        "kernels": {"engine": kernels_name(choice["engine"]), "plain": kernels_name(choice["plain"]),
+                    "plain_ms_per_token": {kernels_name(k): ms for k, ms in choice["ms_per_token"].items()}}}, env)
 
 
 def _fresh(path: Path) -> Path:

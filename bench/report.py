@@ -262,6 +262,12 @@ def to_markdown(report: dict) -> str:
           f"Machine: {env['platform']} ({env['machine']}, {env['cpu_count']} CPUs, {env['torch_threads']} torch threads); "
           f"python {env['python']}, torch {env['torch']}, transformers {env['transformers']}; commit `{env['git_commit']}`; "
           f"{report['created']}.", ""]
+    kern = st.get("kernels")
+    if kern and kern.get("engine") not in (None, "-"):
+        timed = kern.get("plain_ms_per_token") or {}
+        L += [f"Products: plain decoding on `{kern['plain']}`, speculative methods on the engine's `{kern['engine']}`"
+              + (" (plain decoding timed on each before the run: " + ", ".join(
+                  f"`{k}` {ms:.2f} ms/token" for k, ms in timed.items()) + ")" if timed else "") + ".", ""]
     if report.get("parts"):
         L += [f"Merged from {len(report['parts'])} runs with the same methods and settings (each speed-up is a "
               "ratio within one run's prompt): " + "; ".join(

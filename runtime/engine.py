@@ -35,6 +35,7 @@ module holds the weights, the kernels and the forward.
 
 from __future__ import annotations
 
+import contextlib
 from operator import attrgetter, methodcaller
 
 import torch
@@ -352,25 +353,47 @@ class LlamaEngine:
                     if key in w and f"{key}@{name}" not in w:
                         w[f"{key}@{name}"] = prepare(w[key])
 
-    def _prefer_layer_kernel(self, chosen: tuple[str, ...]) -> tuple[str, ...]:
-        """The matrix kernels measured alone, or the AVX-512 BF16 products where the layer kernel
-        (:mod:`.cpu_layers`, which runs on them) makes whole decode and verification forwards faster:
-        its one C call saves the ~4,700 ops between the products (1.3-1.5x per forward on an EPYC,
-        docs/results.md, twenty-third session), which a comparison of the products alone does not see,
-        and a noisy product measurement picked another kernel here once."""
+    def layer_kernel_options(self, chosen: tuple[str, ...] | None = None) -> list[tuple[str, ...]]:
+        """The product sets the layer kernel (:mod:`.cpu_layers`) can run this model's decode and
+        verification forwards on here: AVX-512 BF16, and AMX where its tiles run every matrix
+        (:meth:`_amx_usable`), each as both the one-row and the several-row kernel (AMX's sums differ
+        from the other kernels' in the last bits: one-row and several-row steps on different ones would
+        make a verified token's logits differ from a plain step's) with ``chosen``'s (default: the
+        engine's) many-row kernel; [] where the layer kernel does not run this model."""
+        chosen = self.kernels if chosen is None else chosen
         bulk = chosen[2] if len(chosen) > 2 else ("onednn" if "onednn" in chosen else "aten")
         if self.device.type != "cpu" or self.layers[0]["q_norm"] is not None \
                 or not cpu_gemv.bf16_available() or not all(cpu_gemv.bf16_supports(w[k]) for w in self.layers
                                                              for k in _MATRICES if k in w) \
                 or not cpu_layers.supports(self.embed.shape[1], self.layers[0]["w_down"].shape[1], self.head_dim,
                                            self.dtype, 1):
+            return []
+        return [(k, k, bulk) for k in LAYER_KERNELS if k == "avx512bf16" or self._amx_usable()]
+
+    @contextlib.contextmanager
+    def using_kernels(self, kernels: tuple[str, ...]):
+        """Run the engine's forwards on ``kernels`` inside the block (their weights prepared first and
+        kept), then go back to the chosen ones: how a benchmark runs plain decoding on the products
+        that decode fastest while the speculative methods keep the engine's choice."""
+        self._prepare(kernels)
+        was, self.kernels = self.kernels, tuple(kernels)
+        try:
+            yield self
+        finally:
+            self.kernels = was
+
+    def _prefer_layer_kernel(self, chosen: tuple[str, ...]) -> tuple[str, ...]:
+        """The matrix kernels measured alone, or the AVX-512 BF16 products where the layer kernel
+        (:mod:`.cpu_layers`, which runs on them) makes whole decode and verification forwards faster:
+        its one C call saves the ~4,700 ops between the products (1.3-1.5x per forward on an EPYC,
+        docs/results.md, twenty-third session), which a comparison of the products alone does not see,
+        and a noisy product measurement picked another kernel here once."""
+        # the layer kernel's product sets (AVX-512 BF16; the AMX tiles where they run here: their
+        # few-row products measured alone at 1 row about as fast, at 4-8 rows 1.1-1.4x faster, the
+        # tiles doing 16 rows' work per weight load) and what the products alone chose
+        options = self.layer_kernel_options(chosen)
+        if not options:
             return chosen
-        # the layer kernel on the AVX-512 BF16 products, on the AMX tiles where they run here (their
-        # few-row products measured alone at 1 row are as fast, at 4-8 rows 1.1-1.4x faster: the
-        # tiles do 16 rows' work per weight load), and what the products alone chose
-        options = [(k, k, bulk) for k in LAYER_KERNELS if k == "avx512bf16" or self._amx_usable()]
-        # (AMX's sums differ from the other kernels' in the last bits: one-row and several-row steps
-        # on different ones would make a verified token's logits differ from a plain step's)
         if chosen[:2] not in [o[:2] for o in options] and ("amx" not in chosen[:2] or chosen[0] == chosen[1]):
             options.append(chosen)
         best = options[0]

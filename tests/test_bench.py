@@ -280,6 +280,60 @@ def test_planted_non_lossless_method_is_flagged(tiny_chat, tmp_path):
     assert "| `planted` |" in md
 
 
+def test_plain_runs_on_the_fastest_products_and_speculation_is_checked_on_its_own(tiny_chat, tmp_path):
+    """Where plain decoding is fastest on other products than the engine chose (AMX vs AVX-512 BF16),
+    plain runs on those, plain@<engine kernel> on the engine's, and the speculative methods' greedy
+    outputs are checked against the latter (the same arithmetic). Kernels available everywhere stand in."""
+    from specfoundry.bench.plain_kernels import apply_plain_kernels
+
+    f, _ = _methods(tiny_chat)
+    eng = tiny_chat._engine()
+    own = eng.kernels
+    assert own != ("aten", "aten")
+    seen = []
+    forward = eng.forward
+
+    def spy(*args, **kwargs):
+        seen.append(eng.kernels)
+        return forward(*args, **kwargs)
+
+    eng.forward = spy
+    try:
+        choice = {"engine": own, "plain": ("aten", "aten"), "ms_per_token": {}}
+        methods = apply_plain_kernels([f.plain(), f.build("ngram:chain@3")], tiny_chat, choice)
+        assert [m.name for m in methods] == ["plain", f"plain@{own[0]}", "ngram:chain@3"]
+        assert methods[2].reference == f"plain@{own[0]}" and methods[1].check == "info"
+        seen.clear()
+        methods[0].runner(tiny_chat.encode_chat([{"role": "user", "content": "def f(x):"}]), 4, 0.0, 0, True)
+        assert seen and set(seen) == {("aten", "aten")} and eng.kernels == own  # restored after the call
+        seen.clear()
+        methods[2].runner(tiny_chat.encode_chat([{"role": "user", "content": "def f(x):"}]), 4, 0.0, 0, True)
+        assert seen and set(seen) == {own}
+        prompts = select(load_prompts(None), ["code", "math"], limit=1)
+        raw = run_bench(tiny_chat, prompts, methods, temperatures=[0.0], max_new_tokens=8, progress=False)
+    finally:
+        del eng.forward
+    checks = [r["check"] for r in raw["records"] if r["method"] == "ngram:chain@3"]
+    assert len(checks) == 2 and all(c["status"] == "identical" and c["reference"] == f"plain@{own[0]}" for c in checks)
+    # nothing to change where plain decoding is fastest on the engine's own products
+    same = [f.plain(), f.build("ngram:chain@2")]
+    assert apply_plain_kernels(same, tiny_chat, {"engine": own, "plain": own, "ms_per_token": {}}) == same
+    assert same[1].reference == "plain"
+
+
+def test_plain_kernel_choice_times_every_option_and_restores_the_engine(tiny_chat, monkeypatch):
+    from specfoundry.bench.plain_kernels import plain_kernel_choice
+
+    eng = tiny_chat._engine()
+    own = eng.kernels
+    assert plain_kernel_choice(tiny_chat, tiny_chat.encode_chat([{"role": "user", "content": "x = 1"}]))["ms_per_token"] == {}  # float64: one option
+    options = [("aten", "aten"), own]
+    monkeypatch.setattr(type(eng), "layer_kernel_options", lambda self, chosen=None: list(options))
+    choice = plain_kernel_choice(tiny_chat, tiny_chat.encode_chat([{"role": "user", "content": "x = 1"}]), tokens=4, rounds=1)
+    assert choice["engine"] == own and choice["plain"] in options and eng.kernels == own
+    assert set(choice["ms_per_token"]) == set(options) and all(ms > 0 for ms in choice["ms_per_token"].values())
+
+
 def test_speed_up_is_computed_from_interleaved_per_prompt_timings(tiny_chat):
     f, _ = _methods(tiny_chat)
     plain = f.plain()
