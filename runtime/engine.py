@@ -36,6 +36,7 @@ module holds the weights, the kernels and the forward.
 from __future__ import annotations
 
 import contextlib
+import os
 from operator import attrgetter, methodcaller
 
 import torch
@@ -215,6 +216,10 @@ KERNELS = {
     "amx": (cpu_gemv.amx_pack, cpu_gemv.gemv_amx),
 }
 
+#: environment variable naming the layer kernel's products (``avx512bf16``, ``amx``) instead of the
+#: engine's measured choice (``auto``, the default)
+KERNELS_ENV = "SPECFOUNDRY_KERNELS"
+
 #: bytes of weights the kernel choice streams per measured call (LlamaEngine._choose_kernels)
 MEASURE_BYTES = 128 << 20
 
@@ -341,7 +346,22 @@ class LlamaEngine:
         self.use_layer_kernel = True
         self.version = self.weights_version()
         if kernels == "auto":
-            self.kernels = self._prefer_layer_kernel(self.kernels)
+            forced = os.environ.get(KERNELS_ENV, "auto")
+            self.kernels = self._prefer_layer_kernel(self.kernels) if forced == "auto" else self._forced(forced)
+
+    def _forced(self, name: str) -> tuple[str, ...]:
+        """The layer kernel's product set named by :data:`KERNELS_ENV` (the engine's own choice weighs a
+        1-token and a 4-token forward alike, so it can keep the products a plain step prefers where a
+        deployment that always speculates would rather have the cheaper verification: AMX on an Intel
+        Xeon, docs/results.md thirty-third session)."""
+        options = {o[0]: o for o in self.layer_kernel_options()}
+        if name not in options:
+            raise ValueError(f"{KERNELS_ENV}={name!r}: the layer kernel runs this model here on "
+                             f"{', '.join(options) or 'no product set (bf16 Llama-family shapes on a CPU with AVX-512 BF16)'}"
+                             f" (or 'auto')")
+        self._prepare(options[name])
+        self._drop_unused(options[name])
+        return options[name]
 
     def _prepare(self, kernels: tuple[str, ...]) -> None:
         for name in kernels_used(kernels):

@@ -12,7 +12,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from specfoundry.runtime import cpu_layers, load_drafter
 from specfoundry.runtime.drafters.base import DraftContext
-from specfoundry.runtime.engine import LlamaEngine
+from specfoundry.runtime.engine import KERNELS_ENV, LlamaEngine
 from specfoundry.runtime.models import wrap_target
 from specfoundry.runtime.sampling import SamplingParams
 from specfoundry.runtime.tree import ancestor_matrix, tree_depths
@@ -663,6 +663,25 @@ def test_the_draft_plan_is_taken_once_per_request_and_follows_edits():
     step_by_step = drafter.propose(ctx)
     assert fused.tokens.tolist() == step_by_step.tokens.tolist()
     assert fused.parents.tolist() == step_by_step.parents.tolist()
+
+
+@pytest.mark.parametrize("name", ["avx512bf16", pytest.param("amx", marks=needs_amx)])
+def test_the_environment_names_the_layer_kernels_products(monkeypatch, name):
+    # SPECFOUNDRY_KERNELS replaces the engine's timed choice (a deployment that always speculates may
+    # want AMX's cheaper verifications where plain steps prefer AVX-512 BF16); other names are refused
+    target = _target()
+    monkeypatch.setattr(LlamaEngine, "_forward_seconds", lambda self, a, b: pytest.fail("timed although named"))
+    monkeypatch.setenv(KERNELS_ENV, name)
+    eng = LlamaEngine(target.model)
+    assert eng.kernels[:2] == (name, name)
+    # only the named products' copies (and the many-row kernel's) are kept
+    assert {k.split("@")[1] for w in eng.layers + [eng.head] for k in w if "@" in k} <= set(eng.kernels) | {"onednn"}
+    cache = eng.new_cache(capacity=8)
+    with torch.inference_mode():
+        assert eng.forward(torch.tensor([[1, 2]]), cache).logits.shape == (1, 2, 96)
+    monkeypatch.setenv(KERNELS_ENV, "avx2")
+    with pytest.raises(ValueError, match=f"{KERNELS_ENV}='avx2'.*avx512bf16"):
+        LlamaEngine(target.model)
 
 
 # -- the layer kernel's products on the AMX tiles (cpu_gemv.gemv_amx); CPUs with AMX only ------------------

@@ -11,7 +11,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 from tiny_models import tiny_llama
 from specfoundry.runtime import cpu_gemv
 from specfoundry.runtime import SpeculativeGenerator, load_drafter
-from specfoundry.runtime.engine import (KERNELS, EngineTarget, LlamaEngine, MaskBuffer, RopeTable, StaticKVCache,
+from specfoundry.runtime.engine import (KERNELS, KERNELS_ENV, EngineTarget, LlamaEngine, MaskBuffer, RopeTable, StaticKVCache,
                                         engine_support, rms_norm)
 from specfoundry.runtime.models import wrap_target
 from specfoundry.runtime.target import TargetModel
@@ -502,3 +502,11 @@ def test_a_prefill_attends_by_the_causal_flag_as_by_the_mask(dtype, n):
     assert not prefill_causal(torch.ones(1, n, n, dtype=torch.bool), 0, n, torch.device("cpu"))
     with pytest.raises(ValueError, match="prefill"):
         attend(kv_b, q, k, v, 2, None, 0.25, causal=True)
+
+
+def test_a_named_layer_kernel_the_model_cannot_run_is_a_clear_error(monkeypatch):
+    # float32 weights: the layer kernel (bf16 products) does not run this model at all
+    model = tiny_llama(0, dtype=torch.float32).model
+    monkeypatch.setenv(KERNELS_ENV, "amx")
+    with pytest.raises(ValueError, match=f"{KERNELS_ENV}='amx'.*no product set"):
+        LlamaEngine(model)
