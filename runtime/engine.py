@@ -347,7 +347,12 @@ class LlamaEngine:
         self.version = self.weights_version()
         if kernels == "auto":
             forced = os.environ.get(KERNELS_ENV, "auto")
-            self.kernels = self._prefer_layer_kernel(self.kernels) if forced == "auto" else self._forced(forced)
+            # (a model the layer kernel does not run, e.g. the float32 copy that `auto` dtype times, keeps
+            # the timed choice: the variable names the layer kernel's products)
+            if forced == "auto" or not self.layer_kernel_options():
+                self.kernels = self._prefer_layer_kernel(self.kernels)
+            else:
+                self.kernels = self._forced(forced)
 
     def _forced(self, name: str) -> tuple[str, ...]:
         """The layer kernel's product set named by :data:`KERNELS_ENV` (the engine's own choice weighs a
@@ -357,8 +362,7 @@ class LlamaEngine:
         options = {o[0]: o for o in self.layer_kernel_options()}
         if name not in options:
             raise ValueError(f"{KERNELS_ENV}={name!r}: the layer kernel runs this model here on "
-                             f"{', '.join(options) or 'no product set (bf16 Llama-family shapes on a CPU with AVX-512 BF16)'}"
-                             f" (or 'auto')")
+                             f"{', '.join(options)} (or 'auto')")
         self._prepare(options[name])
         self._drop_unused(options[name])
         return options[name]
