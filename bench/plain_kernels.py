@@ -16,7 +16,6 @@ engine's products as well, and the speculative methods' greedy outputs are check
 from __future__ import annotations
 
 import statistics
-from contextlib import nullcontext
 
 from specfoundry.runtime.generator import SpeculativeGenerator
 
@@ -47,11 +46,6 @@ def plain_kernel_choice(target, prompt_ids: list[int], *, tokens: int = 48, roun
     return {"engine": engine.kernels, "plain": min(options, key=ms.get), "ms_per_token": ms}
 
 
-def on_kernels(target, kernels):
-    """A context that runs ``target``'s engine on ``kernels`` (None: as it is)."""
-    return nullcontext() if kernels is None else target._engine().using_kernels(kernels)
-
-
 def kernels_name(kernels) -> str:
     """``("amx", "amx", "onednn")`` -> ``"amx/amx/onednn"`` (report text and JSON keys)."""
     return "/".join(kernels) if kernels else "-"
@@ -69,7 +63,7 @@ def apply_plain_kernels(methods: list, target, choice: dict) -> list:
     inner = plain.runner
 
     def fastest(*args):
-        with on_kernels(target, choice["plain"]):
+        with target._engine().using_kernels(choice["plain"]):
             return inner(*args)
 
     plain.runner = fastest

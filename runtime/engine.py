@@ -347,19 +347,17 @@ class LlamaEngine:
         self.version = self.weights_version()
         if kernels == "auto":
             forced = os.environ.get(KERNELS_ENV, "auto")
+            options = self.layer_kernel_options() if forced != "auto" else []
             # (a model the layer kernel does not run, e.g. the float32 copy that `auto` dtype times, keeps
             # the timed choice: the variable names the layer kernel's products)
-            if forced == "auto" or not self.layer_kernel_options():
-                self.kernels = self._prefer_layer_kernel(self.kernels)
-            else:
-                self.kernels = self._forced(forced)
+            self.kernels = self._forced(forced, options) if options else self._prefer_layer_kernel(self.kernels)
 
-    def _forced(self, name: str) -> tuple[str, ...]:
-        """The layer kernel's product set named by :data:`KERNELS_ENV` (the engine's own choice weighs a
-        1-token and a 4-token forward alike, so it can keep the products a plain step prefers where a
-        deployment that always speculates would rather have the cheaper verification: AMX on an Intel
-        Xeon, docs/results.md thirty-third session)."""
-        options = {o[0]: o for o in self.layer_kernel_options()}
+    def _forced(self, name: str, layer_options: list[tuple[str, ...]]) -> tuple[str, ...]:
+        """The product set of ``layer_options`` (:meth:`layer_kernel_options`) named by :data:`KERNELS_ENV`
+        (the engine's own choice weighs a 1-token and a 4-token forward alike, so it can keep the products
+        a plain step prefers where a deployment that always speculates would rather have the cheaper
+        verification: AMX on an Intel Xeon, docs/results.md thirty-third session)."""
+        options = {o[0]: o for o in layer_options}
         if name not in options:
             raise ValueError(f"{KERNELS_ENV}={name!r}: the layer kernel runs this model here on "
                              f"{', '.join(options)} (or 'auto')")

@@ -675,7 +675,7 @@ def test_the_environment_names_the_layer_kernels_products(monkeypatch, name):
     eng = LlamaEngine(target.model)
     assert eng.kernels[:2] == (name, name)
     # only the named products' copies (and the many-row kernel's) are kept
-    assert {k.split("@")[1] for w in eng.layers + [eng.head] for k in w if "@" in k} <= set(eng.kernels) | {"onednn"}
+    assert {k.split("@")[1] for w in eng.layers + [eng.head] for k in w if "@" in k} <= set(eng.kernels)
     cache = eng.new_cache(capacity=8)
     with torch.inference_mode():
         assert eng.forward(torch.tensor([[1, 2]]), cache).logits.shape == (1, 2, 96)
