@@ -112,9 +112,13 @@ def external_method(name: str, depth: int | None, target, target_source: str, wo
 
     dtype = str(target.dtype).replace("torch.", "")
     if name in ("llamacpp", "llamacpp-lookup"):
+        import torch
+
         python = Path(availability(name, target_source, False)[1])
-        label = "llama.cpp (llama-cpp-python), the GGUF's Q4_1 weights"
-        request_base = {"model": str(gguf_path(target_source))}
+        # the same thread count as our methods (llama.cpp takes its own, not OMP_NUM_THREADS)
+        threads = torch.get_num_threads()
+        label = f"llama.cpp (llama-cpp-python), the GGUF's Q4_1 weights, {threads} thread{'s' * (threads > 1)}"
+        request_base = {"model": str(gguf_path(target_source)), "threads": threads}
         script = HERE / "llamacpp_peer.py"
         if name == "llamacpp-lookup":
             depth = depth or 5  # as hf-lookup: K drafted tokens, n-grams up to 3

@@ -4,8 +4,9 @@
 
 request: ``{"model": gguf, "prompts": [[ids]], "max_tokens", "temperature", "seeds", "ignore_eos"}`` and,
 for llama-cpp-python's prompt lookup decoding, ``"lookup": K`` (draft tokens) and ``"max_ngram"``;
-result: ``{"results": [{"token_ids", "seconds", "stats": null}]}`` or ``{"error"}``. One thread,
-batch 1, prompts given as token ids (same vocabulary as the target's tokenizer).
+result: ``{"results": [{"token_ids", "seconds", "stats": null}]}`` or ``{"error"}``. ``"threads"``
+(default 1): llama.cpp's decode and prompt threads, the bench's own thread count; batch 1, prompts given
+as token ids (same vocabulary as the target's tokenizer).
 """
 
 import sys
@@ -21,7 +22,8 @@ def work(req: dict, result: dict) -> None:
 
     import llama_cpp
 
-    kwargs = dict(model_path=req["model"], n_ctx=4096, n_threads=1, verbose=False)
+    threads = int(req.get("threads", 1))
+    kwargs = dict(model_path=req["model"], n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False)
     if "use_extra_bufts" in inspect.signature(llama_cpp.Llama.__init__).parameters:
         # the extra (AMX) buffer types hit an illegal instruction on this development machine's CPU
         kwargs["use_extra_bufts"] = False

@@ -516,6 +516,49 @@ def test_external_peers_run_after_the_peer_they_are_judged_against(tiny_chat, tm
     assert unavailable == [{"name": "vllm-eagle3", "reason": "no head here"}]
 
 
+def test_llamacpp_peer_runs_on_the_benchs_thread_count(tiny_chat, tmp_path, monkeypatch):
+    # llama.cpp takes its thread count as an argument (not OMP_NUM_THREADS): the peer ran on one
+    # thread whatever --threads said. The request carries ours; the peer script (run for real, on a
+    # stub llama_cpp module that records its arguments) passes it for decoding and prompts alike.
+    import subprocess
+    import sys
+
+    import specfoundry.bench.external as external
+
+    stub = tmp_path / "stub"
+    (stub / "llama_cpp").mkdir(parents=True)
+    (stub / "llama_cpp" / "__init__.py").write_text(
+        "import json, os\n__version__ = 'stub'\n"
+        "class Llama:\n"
+        "    def __init__(self, **kw):\n"
+        "        open(os.environ['STUB_LOG'], 'w').write(json.dumps({k: v for k, v in kw.items() if k != 'draft_model'}))\n"
+        "    def token_eos(self): return 2\n"
+        "    def reset(self): pass\n"
+        "    def set_seed(self, s): pass\n"
+        "    def generate(self, ids, **kw):\n"
+        "        while True: yield 7\n")
+    sent = {}
+
+    def run_engine(python, script, request, work, name, timeout=None):
+        sent.update(request)
+        req, res = tmp_path / "req.json", tmp_path / "res.json"
+        req.write_text(json.dumps(request))
+        env = {**__import__("os").environ, "PYTHONPATH": str(stub), "STUB_LOG": str(tmp_path / "llama.json")}
+        subprocess.run([sys.executable, str(script), str(req), str(res)], env=env, check=True, timeout=120)
+        return json.loads(res.read_text())
+
+    monkeypatch.setattr(external, "availability", lambda *a, **k: (True, sys.executable))
+    monkeypatch.setattr(external, "gguf_path", lambda source: tmp_path / "model.gguf")
+    monkeypatch.setattr(external, "_run_engine", run_engine)
+    torch.set_num_threads(2)  # the single_thread fixture puts it back
+    method = external.external_method("llamacpp", None, tiny_chat, "tiny", tmp_path)
+    runs = method.batch_runner([[1, 2, 3]], 4, 0.0, [0], True)
+    assert sent["threads"] == 2 and "2 threads" in method.label
+    assert [r.token_ids for r in runs] == [[7, 7, 7, 7]]
+    kwargs = json.loads((tmp_path / "llama.json").read_text())
+    assert kwargs["n_threads"] == 2 and kwargs["n_threads_batch"] == 2
+
+
 @pytest.mark.slow
 def test_llamacpp_lookup_peer_handles_prompts_past_512_tokens(tmp_path):
     # llama-cpp-python sizes its score buffer from the logits_all argument (512 rows) while a draft
