@@ -124,8 +124,13 @@ check-vllm: $(STAMP)
 	$(BIN)/specfoundry check-vllm $(CHECK_VLLM_ARGS)
 
 # llama.cpp as an optional bench peer (`--peers llamacpp,llamacpp-lookup`): llama-cpp-python
-# in its own venv .venv-llamacpp, compiled from source (~15 min on 2 cores; never a dependency).
+# in its own venv .venv-llamacpp, compiled from source for this CPU (~8-15 min on 2 cores; never a
+# dependency). Without its AMX kernels: built with them on a Xeon with AMX (llama-cpp-python 0.3.36),
+# its first product died on `tilezero` (SIGILL) even with the extra buffer types off
+# (docs/results.md, thirty-fourth session); on CPUs without AMX the flags change nothing.
+LLAMACPP_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 .PHONY: llamacpp-peer
 llamacpp-peer:
 	test -x .venv-llamacpp/bin/python || $(PY) -m venv .venv-llamacpp
-	.venv-llamacpp/bin/python -m pip install -q llama-cpp-python
+	CMAKE_ARGS='-DCMAKE_C_FLAGS="$(LLAMACPP_NO_AMX)" -DCMAKE_CXX_FLAGS="$(LLAMACPP_NO_AMX)"' \
+	  .venv-llamacpp/bin/python -m pip install -q --force-reinstall --no-deps --no-cache-dir llama-cpp-python
