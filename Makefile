@@ -133,4 +133,4 @@ LLAMACPP_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 llamacpp-peer:
 	test -x .venv-llamacpp/bin/python || $(PY) -m venv .venv-llamacpp
 	CMAKE_ARGS='-DCMAKE_C_FLAGS="$(LLAMACPP_NO_AMX)" -DCMAKE_CXX_FLAGS="$(LLAMACPP_NO_AMX)"' \
-	  .venv-llamacpp/bin/python -m pip install -q --force-reinstall --no-deps --no-cache-dir llama-cpp-python
+	  .venv-llamacpp/bin/python -m pip install -q --force-reinstall --no-cache-dir llama-cpp-python
