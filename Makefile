@@ -124,7 +124,7 @@ check-vllm: $(STAMP)
 	$(BIN)/specfoundry check-vllm $(CHECK_VLLM_ARGS)
 
 # llama.cpp as an optional bench peer (`--peers llamacpp,llamacpp-lookup`): llama-cpp-python
-# in its own venv .venv-llamacpp, compiled from source for this CPU (~8-15 min on 2 cores; never a
+# in its own venv .venv-llamacpp, compiled from source for this CPU (6-15 min on 2 cores; never a
 # dependency). Without its AMX kernels: built with them on a Xeon with AMX (llama-cpp-python 0.3.36),
 # its first product died on `tilezero` (SIGILL) even with the extra buffer types off
 # (docs/results.md, thirty-fourth session); on CPUs without AMX the flags change nothing.

@@ -25,7 +25,8 @@ def work(req: dict, result: dict) -> None:
     threads = int(req.get("threads", 1))
     kwargs = dict(model_path=req["model"], n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False)
     if "use_extra_bufts" in inspect.signature(llama_cpp.Llama.__init__).parameters:
-        # the extra (AMX) buffer types hit an illegal instruction on this development machine's CPU
+        # the extra (AMX) buffer types hit an illegal instruction on an AMX Xeon (`make llamacpp-peer`
+        # also builds without the AMX kernels, which crashed there even with these off)
         kwargs["use_extra_bufts"] = False
     if req.get("lookup"):
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding

@@ -520,6 +520,7 @@ def test_llamacpp_peer_runs_on_the_benchs_thread_count(tiny_chat, tmp_path, monk
     # llama.cpp takes its thread count as an argument (not OMP_NUM_THREADS): the peer ran on one
     # thread whatever --threads said. The request carries ours; the peer script (run for real, on a
     # stub llama_cpp module that records its arguments) passes it for decoding and prompts alike.
+    import os
     import subprocess
     import sys
 
@@ -543,7 +544,7 @@ def test_llamacpp_peer_runs_on_the_benchs_thread_count(tiny_chat, tmp_path, monk
         sent.update(request)
         req, res = tmp_path / "req.json", tmp_path / "res.json"
         req.write_text(json.dumps(request))
-        env = {**__import__("os").environ, "PYTHONPATH": str(stub), "STUB_LOG": str(tmp_path / "llama.json")}
+        env = {**os.environ, "PYTHONPATH": str(stub), "STUB_LOG": str(tmp_path / "llama.json")}
         subprocess.run([sys.executable, str(script), str(req), str(res)], env=env, check=True, timeout=120)
         return json.loads(res.read_text())
 
