@@ -25,7 +25,11 @@ matrices at 1 row in 7.4-8.2 ms at 1 thread against oneDNN's 9.9-10.9. It prefet
 ahead into L2 (a non-temporal hint until the twenty-fifth session lost the prefetched lines in
 several-row steps; see the kernel's comment). Numerics: each output is one
 thread's fp32 sum in a fixed order whatever the row count and thread count, as above; the inputs
-are the activations' bf16 values as they are (ATen's bf16 products take the same inputs).
+are the activations' bf16 values as they are (ATen's bf16 products take the same inputs). Where
+vdpbf16ps is slow (Intel Sapphire/Emerald Rapids: half a zmm FMA's rate, so 4-8 rows of x are bound
+by it) passes of 2-8 rows run the same sums as fp32 FMAs, bit for bit the instruction's
+(:func:`fma_rows` checks that and times both on the CPU it runs on; thirty-fifth session: the default
+head's tree steps 1.06-1.07x faster on a 2-core Xeon, outputs unchanged).
 
 The AMX kernel (``"amx"``, :func:`gemv_amx`; Intel Sapphire Rapids and later, Linux grants the tile
 state on request) computes the same products on the tile unit: the weights, packed once
@@ -110,6 +114,7 @@ _SOURCE_BF16 = r"""
 #define SF_PF1 2048
 #define SF_PF_HINT _MM_HINT_T1
 #include <stdint.h>
+#include <stdlib.h>
 
 static inline uint16_t to_bf16(float f) {  /* round to nearest even (finite values) */
     union { float f; uint32_t u; } v = { f };
@@ -231,20 +236,165 @@ ROWS2(4) ROWS2(5)
 typedef void (*rows_fn)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int, int, int, int, int);
 static const rows_fn ROWS_FN[9] = {0, rows1, rows2, rows3, rows2w4, rows2w5, rows6, rows7, rows8};
 
+/* The same sums with fp32 FMAs: where vdpbf16ps is slow (Intel Sapphire/Emerald Rapids: one per two
+   cycles, half the rate of a zmm FMA; measured 87 against 176 GFLOP/s per core, thirty-fifth session)
+   several rows of x are bound by it (4 rows: 1.26x one row's time, 8 rows: 1.7x, weights streamed).
+   vdpbf16ps adds a lane's odd pair product, then its even one, each rounded to fp32 (RNE, denormals
+   flushed); bf16 products are exact in fp32, so two FMAs in that order (odd, then even; under DAZ/FTZ,
+   which sf_gemv_dpbf16 sets for both paths) give the same bits: the weights are widened by a shift
+   (even elements) and a mask (odd ones), x is widened once per call into the same split
+   (xs: per block of 32 inputs its 16 odd elements, then its 16 even ones, zeros past the end). Each
+   lane's chain and the blocks' order are ROWS(N)'s, so a row's outputs are the same bits on either
+   path (sf_gemv_fma_exact checks it on this CPU before the path is used). Streamed weights are also
+   prefetched into L1 SF_PF_L1 elements ahead: 4-5 rows of SmolLM2's matrices 0.88-0.97x the vdpbf16ps
+   path's time with it, ~1.0x without (the vdpbf16ps path with the same L1 prefetch: 1.02-1.14x). */
+#define SF_PF_L1 512
+#define ROWSF(N)                                                                                     \
+static void rowsf##N(const float *xs, int inp, const uint16_t *w, const uint16_t *bias, uint16_t *y,   \
+                     int in, int out, int o0, int o1, int pf) {                                     \
+    int tail = in % 32, body = in - tail;                                                          \
+    __mmask32 m = (__mmask32)((1ull << tail) - 1);                                                  \
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);                                        \
+    for (int o = o0; o < o1; o++) {                                                                \
+        const uint16_t *wr = w + (int64_t)o * in;                                                  \
+        __m512 a0[N], a1[N];                                                                       \
+        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                      \
+            a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps();                              \
+        }                                                                                          \
+        int i = 0;                                                                                 \
+        for (; i + 64 <= body; i += 64) {                                                          \
+            if (pf) {                                                                              \
+                _mm_prefetch((const char *)(wr + i + pf), SF_PF_HINT);                          \
+                _mm_prefetch((const char *)(wr + i + pf + 32), SF_PF_HINT);                     \
+                _mm_prefetch((const char *)(wr + i + SF_PF_L1), _MM_HINT_T0);                    \
+                _mm_prefetch((const char *)(wr + i + SF_PF_L1 + 32), _MM_HINT_T0);               \
+            }                                                                                      \
+            __m512i w0 = _mm512_loadu_si512(wr + i), w1 = _mm512_loadu_si512(wr + i + 32);        \
+            __m512 w0o = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));                            \
+            __m512 w0e = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));                           \
+            __m512 w1o = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));                            \
+            __m512 w1e = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));                           \
+            __asm__("" : "+v"(w0o), "+v"(w0e), "+v"(w1o), "+v"(w1e));                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                  \
+                const float *xr = xs + (int64_t)r * inp + i;                                       \
+                a0[r] = _mm512_fmadd_ps(w0o, _mm512_load_ps(xr), a0[r]);                           \
+                a1[r] = _mm512_fmadd_ps(w1o, _mm512_load_ps(xr + 32), a1[r]);                      \
+                a0[r] = _mm512_fmadd_ps(w0e, _mm512_load_ps(xr + 16), a0[r]);                      \
+                a1[r] = _mm512_fmadd_ps(w1e, _mm512_load_ps(xr + 48), a1[r]);                      \
+            }                                                                                      \
+        }                                                                                          \
+        if (i < body) {                                                                            \
+            __m512i w0 = _mm512_loadu_si512(wr + i);                                               \
+            __m512 w0o = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));                            \
+            __m512 w0e = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));                           \
+            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                  \
+                const float *xr = xs + (int64_t)r * inp + i;                                       \
+                a0[r] = _mm512_fmadd_ps(w0o, _mm512_load_ps(xr), a0[r]);                           \
+                a0[r] = _mm512_fmadd_ps(w0e, _mm512_load_ps(xr + 16), a0[r]);                      \
+            }                                                                                      \
+            i += 32;                                                                               \
+        }                                                                                          \
+        if (tail) {                                                                                \
+            __m512i w1 = _mm512_maskz_loadu_epi16(m, wr + i);                                      \
+            __m512 w1o = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));                            \
+            __m512 w1e = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));                           \
+            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                  \
+                const float *xr = xs + (int64_t)r * inp + i;                                       \
+                a1[r] = _mm512_fmadd_ps(w1o, _mm512_load_ps(xr), a1[r]);                           \
+                a1[r] = _mm512_fmadd_ps(w1e, _mm512_load_ps(xr + 16), a1[r]);                      \
+            }                                                                                      \
+        }                                                                                          \
+        float bv = bias ? from_bf16(bias[o]) : 0.0f;                                               \
+        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++)                                        \
+            y[(int64_t)r * out + o] = to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r])) + bv); \
+    }                                                                                              \
+}
+ROWSF(1) ROWSF(2) ROWSF(3) ROWSF(4) ROWSF(5) ROWSF(6) ROWSF(7) ROWSF(8)
+typedef void (*rowsf_fn)(const float *, int, const uint16_t *, const uint16_t *, uint16_t *, int, int, int, int, int);
+static const rowsf_fn ROWSF_FN[9] = {0, rowsf1, rowsf2, rowsf3, rowsf4, rowsf5, rowsf6, rowsf7, rowsf8};
+
+/* which chunk sizes (rows of x per pass, 1-8) take the FMA path: none until sf_gemv_set_fma says
+   (runtime/cpu_gemv.py times both paths on this CPU) */
+static unsigned char sf_fma_rows[9];
+void sf_gemv_set_fma(const unsigned char *use) { for (int k = 0; k < 9; k++) sf_fma_rows[k] = use[k] ? 1 : 0; }
+
+#define SF_MXCSR_DAZ_FTZ 0x8040u
+
+/* x [n, in] bf16 -> xs [n, inp] fp32 in ROWSF's split (inp = in rounded up to 32) */
+static void split_rows(const uint16_t *x, float *xs, int n, int in, int inp) {
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    for (int r = 0; r < n; r++)
+        for (int i = 0; i < in; i += 32) {
+            int left = in - i;
+            __mmask32 m = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1ull << left) - 1);
+            __m512i v = _mm512_maskz_loadu_epi16(m, x + (int64_t)r * in + i);
+            _mm512_store_ps(xs + (int64_t)r * inp + i, _mm512_castsi512_ps(_mm512_and_si512(v, hi)));
+            _mm512_store_ps(xs + (int64_t)r * inp + i + 16, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+        }
+}
+
+/* 1 when two FMAs (odd pair product, then even) under DAZ/FTZ give vdpbf16ps's bits on this CPU: bf16
+   values over the whole exponent range (denormals, zeros and products that underflow included),
+   sums of 64 blocks, every lane compared */
+int sf_gemv_fma_exact(void) {
+    unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | SF_MXCSR_DAZ_FTZ);
+    uint64_t s = 0x9E3779B97F4A7C15ull;
+    int same = 1;
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    for (int trial = 0; trial < 256 && same; trial++) {
+        __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+        int lo = trial % 4 == 0 ? 0 : trial % 4 == 1 ? 100 : 120, span = trial % 4 == 3 ? 20 : 40;
+        for (int blk = 0; blk < 64; blk++) {
+            uint16_t wv[32], xv[32];
+            for (int j = 0; j < 32; j++) {
+                s = s * 6364136223846793005ull + 1442695040888963407ull;
+                uint32_t r = (uint32_t)(s >> 32);
+                /* sign, an exponent in [lo, lo + span) (0: denormal or zero), 7 mantissa bits */
+                wv[j] = (uint16_t)(((r & 1) << 15) | (((lo + (r >> 1) % span) & 0xff) << 7) | ((r >> 9) & 0x7f));
+                xv[j] = (uint16_t)((((r >> 16) & 1) << 15) | (((lo + (r >> 17) % span) & 0xff) << 7) | ((r >> 25) & 0x7f));
+            }
+            __m512i w = _mm512_loadu_si512(wv), x = _mm512_loadu_si512(xv);
+            a = _mm512_dpbf16_ps(a, (__m512bh)w, (__m512bh)x);
+            b = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, hi)), _mm512_castsi512_ps(_mm512_and_si512(x, hi)), b);
+            b = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), b);
+        }
+        same = _mm512_cmpneq_epi32_mask(_mm512_castps_si512(a), _mm512_castps_si512(b)) == 0;
+    }
+    _mm_setcsr(csr);
+    return same;
+}
+
 /* outputs in chunks of 32 per thread task; within a chunk every 8 rows of x in turn. keep: weights
    read again soon (a speculator head's, every step): plain loads, no prefetch ahead (they are
    read from the caches, not streamed) */
 void sf_gemv_dpbf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int n, int in, int out,
                     int keep) {
     int pf = keep ? 0 : n == 1 ? SF_PF1 : SF_PF;  /* how far ahead the weights are prefetched (0: not) */
-    _Pragma("omp parallel for schedule(static)")
-    for (int c = 0; c < (out + 31) / 32; c++) {
-        int o0 = c * 32, o1 = o0 + 32 < out ? o0 + 32 : out;
-        for (int r0 = 0; r0 < n; r0 += 8) {
-            int k = n - r0 < 8 ? n - r0 : 8;
-            ROWS_FN[k](x + (int64_t)r0 * in, w, bias, y + (int64_t)r0 * out, in, out, o0, o1, pf);
+    int inp = (in + 31) / 32 * 32, fma = 0;
+    for (int r0 = 0; r0 < n; r0 += 8) fma |= sf_fma_rows[n - r0 < 8 ? n - r0 : 8];
+    float *xs = fma ? (float *)aligned_alloc(64, sizeof(float) * (size_t)n * (size_t)inp) : 0;
+    if (xs) split_rows(x, xs, n, in, inp);  /* (no memory: the vdpbf16ps path, the same bits) */
+    _Pragma("omp parallel")
+    {
+        /* both paths' fp32 arithmetic outside vdpbf16ps (FMAs, the final sums) under DAZ/FTZ, as
+           vdpbf16ps does its own: the same bits on either (the thread's own mode restored after) */
+        unsigned csr = _mm_getcsr();
+        _mm_setcsr(csr | SF_MXCSR_DAZ_FTZ);
+        _Pragma("omp for schedule(static)")
+        for (int c = 0; c < (out + 31) / 32; c++) {
+            int o0 = c * 32, o1 = o0 + 32 < out ? o0 + 32 : out;
+            for (int r0 = 0; r0 < n; r0 += 8) {
+                int k = n - r0 < 8 ? n - r0 : 8;
+                if (xs && sf_fma_rows[k])
+                    ROWSF_FN[k](xs + (int64_t)r0 * inp, inp, w, bias, y + (int64_t)r0 * out, in, out, o0, o1, pf);
+                else
+                    ROWS_FN[k](x + (int64_t)r0 * in, w, bias, y + (int64_t)r0 * out, in, out, o0, o1, pf);
+            }
         }
+        _mm_setcsr(csr);
     }
+    free(xs);
 }
 """
 
@@ -357,6 +507,52 @@ def _load_bf16() -> tuple[ctypes.CDLL | None, str | None]:
     return build("sfgemvbf16", _SOURCE_BF16, {"sf_gemv_dpbf16": [p, p, p, p, i, i, i, i]}, isa=AVX512_BF16)
 
 
+def set_fma_rows(lib: ctypes.CDLL, rows) -> None:
+    """Make the AVX-512 BF16 kernel in ``lib`` (any library built with :data:`_SOURCE_BF16`) compute
+    passes of ``rows`` rows of x (of 1-8) with fp32 FMAs, the others with vdpbf16ps (the same bits
+    where ``sf_gemv_fma_exact`` holds: :func:`fma_rows` only chooses it there)."""
+    lib.sf_gemv_set_fma((ctypes.c_ubyte * 9)(*[int(k in rows) for k in range(9)]))
+
+
+@functools.lru_cache(maxsize=1)
+def fma_rows() -> tuple[int, ...]:
+    """The passes of 2-8 rows of x the AVX-512 BF16 kernel runs with fp32 FMAs on this CPU (set in its
+    library here; :func:`configure` sets it in the others): all of them where the FMA path computes 4
+    and 8 rows faster than vdpbf16ps on weights in cache (the compute that several rows add to a
+    streamed product; on a 2-core Intel Xeon with AMX, where vdpbf16ps runs at half a zmm FMA's rate,
+    0.7-0.8x in cache, and streamed with its L1 prefetch 4-5 rows 0.88-0.97x: docs/results.md,
+    thirty-fifth session; on an AMD Zen 5, where vdpbf16ps runs at twice an FMA's rate, it would lose),
+    none elsewhere, and only where the two paths give the same bits (``sf_gemv_fma_exact``), so that
+    the choice never shows in a result. One row (a plain decode step, bound by the weights' stream)
+    always keeps vdpbf16ps."""
+    from .engine import best_seconds
+
+    lib = _load_bf16()[0]
+    if lib is None or not lib.sf_gemv_fma_exact():
+        return ()
+    gen = torch.Generator().manual_seed(0)  # (the caller's random stream untouched)
+    w = torch.randn(1024, 576, generator=gen).to(torch.bfloat16)  # 1.2 MB: in the threads' L2 caches
+    xs = {k: torch.randn(k, 576, generator=gen).to(torch.bfloat16) for k in (4, 8)}
+    y = torch.empty(8, 1024, dtype=torch.bfloat16)
+    best = {False: float("inf"), True: float("inf")}
+    for _ in range(3):  # rounds alternating the paths: a machine slowing down slows both
+        for fma in best:
+            set_fma_rows(lib, (4, 8) if fma else ())
+            best[fma] = min(best[fma], best_seconds(lambda: [
+                lib.sf_gemv_dpbf16(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), k, 576, 1024, 1)
+                for k, x in xs.items() for _ in range(4)], 2))
+    chosen = tuple(range(2, MAX_ROWS + 1)) if best[True] < best[False] else ()
+    set_fma_rows(lib, chosen)
+    return chosen
+
+
+def configure(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (built with :data:`_SOURCE_BF16`) with the AVX-512 BF16 kernel's paths chosen here
+    (:func:`fma_rows`)."""
+    set_fma_rows(lib, fma_rows())
+    return lib
+
+
 def bf16_unavailable_reason() -> str | None:
     """None when the AVX-512 BF16 kernel can run here, else why not."""
     return _load_bf16()[1]
@@ -380,6 +576,7 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, k
     lib = _load_bf16()[0]
     if lib is None:
         raise RuntimeError(f"the avx512bf16 kernel is unavailable: {bf16_unavailable_reason()}")
+    fma_rows()  # (its paths chosen once, on first use)
     if not bf16_supports(w) or x.dtype != torch.bfloat16:
         raise ValueError(f"the avx512bf16 kernel takes bf16 inputs and contiguous CPU bf16 weights with an even "
                          f"number of inputs, got x {x.dtype}, w {w.dtype} {tuple(w.shape)}")

@@ -371,10 +371,14 @@ int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, co
 """
 
 
-@functools.lru_cache(maxsize=2)
 def _load(amx: bool = False) -> tuple[ctypes.CDLL | None, str | None]:
     """The layer library; ``amx``: the build whose target products can run on the AMX tiles (CPUs with
     them only)."""
+    return _built(bool(amx))  # one cache entry per build, however it is asked for (_load() / _load(False))
+
+
+@functools.lru_cache(maxsize=2)
+def _built(amx: bool) -> tuple[ctypes.CDLL | None, str | None]:
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     # one library: the few-row product and the attention kernel are compiled in with the layer loop
     source = cpu_gemv._SOURCE_BF16 + cpu_attention._SOURCE_DECODE + cpu_verify._SOURCE + _LAYER
@@ -388,8 +392,10 @@ def _load(amx: bool = False) -> tuple[ctypes.CDLL | None, str | None]:
         + [i32, f32, p, p, i32, i32, p, p]
     fns = {"sf_layers": args, "sf_rms_norm": [p, p, p, i64, i32, f32, i32], "sf_argmax_bf16": [p, i64, i64, p],
            "sf_eagle3_draft": draft, "sf_log_softmax_bf16": [p, i64, i64, p]}
-    return cpu_attention._returning_int(build("sflayersamx" if amx else "sflayers", source, fns,
-                                              isa=AMX_BF16 if amx else AVX512_BF16), "sf_layers", "sf_eagle3_draft")
+    lib, why = cpu_attention._returning_int(build("sflayersamx" if amx else "sflayers", source, fns,
+                                                  isa=AMX_BF16 if amx else AVX512_BF16), "sf_layers", "sf_eagle3_draft")
+    # the few-row products' paths chosen for this CPU (the same bits either way: cpu_gemv.fma_rows)
+    return (cpu_gemv.configure(lib) if lib is not None else None), why
 
 
 def unavailable_reason(amx: bool = False) -> str | None:

@@ -96,10 +96,28 @@ needs_bf16 = pytest.mark.skipif(not cpu_gemv.bf16_available(), reason=f"avx512bf
                                 f"{cpu_gemv.bf16_unavailable_reason()}")
 
 
+def fma_exact() -> bool:
+    lib = cpu_gemv._load_bf16()[0]
+    return lib is not None and bool(lib.sf_gemv_fma_exact())
+
+
+@pytest.fixture(params=["vdpbf16ps", "fma"])
+def bf16_path(request):
+    """The AVX-512 BF16 kernel with every pass on one path, whichever cpu_gemv.fma_rows chose here
+    (restored after); the FMA path only where it gives vdpbf16ps's bits on this CPU."""
+    if request.param == "fma" and not fma_exact():
+        pytest.skip("the FMA path does not give vdpbf16ps's bits on this CPU (cpu_gemv.fma_rows never uses it here)")
+    lib = cpu_gemv._load_bf16()[0]
+    cpu_gemv.fma_rows()
+    cpu_gemv.set_fma_rows(lib, range(1, 9) if request.param == "fma" else ())
+    yield request.param
+    cpu_gemv.set_fma_rows(lib, cpu_gemv.fma_rows())
+
+
 @needs_bf16
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 20])
 @pytest.mark.parametrize("shape", [(72, 40), (130, 64), (33, 34), (7, 1536)])  # in % 32 != 0: the masked tail
-def test_gemv_bf16_equals_linear(rows, shape):  # 2 * rows rows of x: 4 (two weight rows per pass) included
+def test_gemv_bf16_equals_linear(rows, shape, bf16_path):  # 2 * rows rows of x: 4 (two weight rows per pass) included
     x, w, b = _bf16_case(rows, shape)
     _assert_is_linear(cpu_gemv.gemv_bf16(x, w, b), x, w, b)
     assert torch.equal(cpu_gemv.gemv_bf16(x, w), cpu_gemv.gemv_bf16(x, w, torch.zeros_like(b)))
@@ -121,7 +139,7 @@ def _assert_is_linear(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: to
 
 
 @needs_bf16
-def test_gemv_bf16_gives_a_row_the_same_bits_alone_and_in_any_batch():
+def test_gemv_bf16_gives_a_row_the_same_bits_alone_and_in_any_batch(bf16_path):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(131, 96, generator=g).bfloat16()  # an odd last weight row: 4-5 rows pair the others
     x = torch.randn(11, 96, generator=g).bfloat16()
@@ -140,6 +158,57 @@ def _assert_rows_independent(product, x: torch.Tensor, sizes: tuple[int, ...]) -
         assert torch.equal(product(x), alone)
     finally:
         torch.set_num_threads(before)
+
+
+@needs_bf16
+@pytest.mark.skipif(not fma_exact(), reason="the FMA path does not give vdpbf16ps's bits on this CPU")
+@pytest.mark.parametrize("shape", [(72, 40), (131, 96), (33, 34), (7, 1536), (40, 576)])
+def test_the_fma_path_gives_vdpbf16ps_bits(shape):
+    # which path a pass of rows takes (cpu_gemv.fma_rows: chosen by speed) must never show in a result:
+    # a verification's rows would otherwise differ from a plain step's one row
+    lib = cpu_gemv._load_bf16()[0]
+    g = torch.Generator().manual_seed(shape[0])
+    w = torch.randn(*shape, generator=g).bfloat16()
+    b = torch.randn(shape[0], generator=g).bfloat16()
+    x = (torch.randn(11, shape[1], generator=g) * 10.0 ** torch.arange(-36, 4, 4).repeat(2)[:11, None]).bfloat16()
+    # rows where the arithmetic's details show at bf16 resolution (with random data they hardly do):
+    # the order within a lane (2^24 + 1 rounds away before -2^24 cancels it: 0 if a block's odd product
+    # comes first, 1 if its even one does; blocks 0 and 2 share a lane's sum), denormal inputs times
+    # large weights (vdpbf16ps reads them as zero), sums of tiny products (it flushes denormal sums)
+    if shape[1] >= 96:
+        w[:, [1, 64, 65]] = torch.tensor([2.0 ** 12, -(2.0 ** 12), 1.0]).bfloat16()
+        x[0] = 0
+        x[0, [1, 64, 65]] = torch.tensor([2.0 ** 12, 2.0 ** 12, 1.0]).bfloat16()
+    x[1] = 1e-39
+    w[0] = 1e30
+    x[2] = 1e-20
+    w[1] = 1e-20
+    try:
+        for n, bias in [(n, bias) for n in range(1, 12) for bias in (b, None)]:  # (no bias: tiny sums show)
+            cpu_gemv.set_fma_rows(lib, ())
+            ref = cpu_gemv.gemv_bf16(x[:n], w, bias)
+            cpu_gemv.set_fma_rows(lib, range(1, 9))
+            assert torch.equal(cpu_gemv.gemv_bf16(x[:n], w, bias), ref), n
+    finally:
+        cpu_gemv.set_fma_rows(lib, cpu_gemv.fma_rows())
+
+
+@needs_bf16
+def test_the_kernel_leaves_the_threads_floating_point_mode_as_it_was():
+    # it runs its sums with denormals flushed (as vdpbf16ps does) on torch's own OpenMP threads:
+    # left set, every later torch op on those threads would flush them too
+    x, w = torch.randn(3, 64).bfloat16(), torch.randn(4096, 64).bfloat16()
+    cpu_gemv.gemv_bf16(x, w)
+    tiny = torch.full((1 << 20,), 1e-39)  # float32 denormals, work for every thread
+    assert bool((tiny * 1.0).ne(0).all()) and bool((tiny + tiny).eq(2e-39).all())
+
+
+@needs_bf16
+def test_fma_rows_chooses_among_several_row_passes_only():
+    rows = cpu_gemv.fma_rows()
+    assert set(rows) <= set(range(2, cpu_gemv.MAX_ROWS + 1))  # one row (a plain step) keeps vdpbf16ps
+    if not fma_exact():
+        assert rows == ()
 
 
 @needs_bf16

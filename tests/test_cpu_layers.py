@@ -10,7 +10,7 @@ import torch
 from tiny_models import assert_greedy_speculation_is_plain, tiny_llama
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from specfoundry.runtime import cpu_layers, load_drafter
+from specfoundry.runtime import cpu_gemv, cpu_layers, load_drafter
 from specfoundry.runtime.drafters.base import DraftContext
 from specfoundry.runtime.engine import KERNELS_ENV, LlamaEngine
 from specfoundry.runtime.models import wrap_target
@@ -84,7 +84,50 @@ def test_engine_step_equals_the_op_by_op_forward(monkeypatch, arch, shape, kerne
     assert (ka - kb).abs().max() <= 0.02 * ka.abs().max()
 
 
-def test_greedy_speculation_equals_plain_through_it(monkeypatch):
+def _fma_exact() -> bool:
+    lib = cpu_gemv._load_bf16()[0]
+    return lib is not None and bool(lib.sf_gemv_fma_exact())
+
+
+@pytest.fixture(params=["vdpbf16ps", "fma"])
+def products_path(request):
+    """The layer kernel's few-row products with every pass of several rows on one path (whichever
+    cpu_gemv.fma_rows chose here, restored after); the FMA path only where it gives vdpbf16ps's bits."""
+    if request.param == "fma" and not _fma_exact():
+        pytest.skip("the FMA path does not give vdpbf16ps's bits on this CPU (cpu_gemv.fma_rows never uses it here)")
+    lib = cpu_layers._load()[0]
+    cpu_gemv.set_fma_rows(lib, range(2, 9) if request.param == "fma" else ())
+    yield request.param
+    cpu_gemv.set_fma_rows(lib, cpu_gemv.fma_rows())
+
+
+@pytest.mark.skipif(not _fma_exact(), reason="the FMA path does not give vdpbf16ps's bits on this CPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_verification_on_either_products_path_is_the_same_bits(arch):
+    # the path a pass of rows takes is chosen by speed (cpu_gemv.fma_rows): logits, features and the
+    # K/V written must not depend on it
+    target = _target(arch)
+    lib = cpu_layers._load()[0]
+    g = torch.Generator().manual_seed(2)
+    prefix, toks = torch.randint(0, 96, (1, 40), generator=g), torch.randint(0, 96, (1, 7), generator=g)
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 4]])
+    outs = []
+    try:
+        for rows in ((), range(2, 9)):
+            cpu_gemv.set_fma_rows(lib, rows)
+            cache = target.new_cache(capacity=64)
+            target.forward(prefix, cache)
+            cache.commit()
+            out = target.forward(toks, cache, position_ids=40 + tree_depths(parents), tree_mask=ancestor_matrix(parents),
+                                 feature_layers=(0, 2, 3))
+            outs.append((out.logits, out.features, cache.kv[..., 40:47, :].clone()))
+    finally:
+        cpu_gemv.set_fma_rows(lib, cpu_gemv.fma_rows())
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_greedy_speculation_equals_plain_through_it(monkeypatch, products_path):
     target = _target()
     calls = _spy(monkeypatch)
     # token for token, trees included: a tree's nodes sit at other cache positions than after the
