@@ -19,7 +19,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def kernel_table(engine, rows=(1, 2, 4, 8, 16, 32), reps: int = 3) -> dict[str, dict[int, float]]:
     """``{kernel: {rows: ms}}`` over all of ``engine``'s matrices (kernels this build lacks are left out)."""
-    from specfoundry.runtime.engine import _MATRICES, KERNELS, best_seconds
+    from specfoundry.runtime.engine import _MATRICES, KERNELS
+    from specfoundry.runtime.timing import best_seconds
 
     mats = [w[k] for w in engine._matrix_holders() for k in _MATRICES if k in w]
     out = {}

@@ -20,7 +20,7 @@ import copy
 import torch
 
 from . import native
-from .engine import best_seconds
+from .timing import best_seconds
 
 
 def plain_step_seconds(target, reps: int = 5, past: int = 64) -> float:

@@ -57,6 +57,7 @@ import functools
 import torch
 
 from .native import AMX_BF16, AVX512_BF16, PRELUDE, build, ptr
+from .timing import best_seconds
 
 __all__ = ["MAX_ROWS", "amx_available", "amx_pack", "amx_supports", "amx_unavailable_reason", "available",
            "bf16_available", "bf16_unavailable_reason", "gemv", "gemv_bf16",
@@ -525,8 +526,6 @@ def fma_rows() -> tuple[int, ...]:
     none elsewhere, and only where the two paths give the same bits (``sf_gemv_fma_exact``), so that
     the choice never shows in a result. One row (a plain decode step, bound by the weights' stream)
     always keeps vdpbf16ps."""
-    from .engine import best_seconds
-
     lib = _load_bf16()[0]
     if lib is None or not lib.sf_gemv_fma_exact():
         return ()

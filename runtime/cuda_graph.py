@@ -211,7 +211,7 @@ def measure(target_name: str = "smollm2-135m", past: int = 256, reps: int = 20, 
     """Best ms per step after ``past`` tokens, per bucket: the engine's ordinary forward vs the
     captured graph, and the largest logit difference between them (CUDA only; returns ``{}``
     and says so where CUDA is absent)."""
-    from .engine import best_seconds
+    from .timing import best_seconds
     from .models import load_target
 
     if not torch.cuda.is_available():

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from . import cpu_attention, cpu_gemv, cpu_layers, native
 from .kvcache import MaskBuffer, StaticKVCache, attend, grouped_attention, prefill_causal, rotate
 from .target import TargetModel, TargetOutput
+from .timing import best_seconds
 
 __all__ = ["KERNELS", "EngineTarget", "LlamaEngine", "MaskBuffer", "PreparedLinears", "RopeTable", "StaticKVCache",
            "attend", "engine_support", "grouped_attention", "rms_norm", "rotate"]
@@ -136,24 +137,6 @@ class RopeTable:
             with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable outside inference mode
                 cos, sin = self.rotary(like.detach().reshape(-1)[:1].view(1, 1, 1), pos)
             self._cos, self._sin, self._len, self._key = cos[0], sin[0], size, key
-
-
-def best_seconds(fn, reps: int, device: torch.device | None = None, warm: bool = True) -> float:
-    """Best wall time of ``reps`` calls of ``fn`` (after one untimed call when ``warm``); CUDA is
-    synchronised around each call so the work, not the launch, is timed."""
-    import time
-
-    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
-    if warm:
-        fn()
-    best = float("inf")
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def _onednn_pack(w: torch.Tensor) -> torch.Tensor:

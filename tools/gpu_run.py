@@ -77,7 +77,7 @@ def attention_compare(device: str, dtype, hq: int, hkv: int, d: int, past: int, 
     import torch.nn.functional as F
 
     from specfoundry.export.trt import kernel as K
-    from specfoundry.runtime.engine import best_seconds
+    from specfoundry.runtime.timing import best_seconds
 
     dev = torch.device(device)
     out = {}
@@ -105,7 +105,7 @@ def verify_cost(config: dict, device: str, dtype, past: int = 1024, ns=(1, 16, 3
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specfoundry.runtime.engine import best_seconds
+    from specfoundry.runtime.timing import best_seconds
     from specfoundry.runtime.models import wrap_target
 
     dev = torch.device(device)
