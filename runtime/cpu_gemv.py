@@ -60,7 +60,8 @@ from .native import AMX_BF16, AVX512_BF16, PRELUDE, build, ptr
 from .timing import best_seconds
 
 __all__ = ["MAX_ROWS", "amx_available", "amx_pack", "amx_supports", "amx_unavailable_reason", "available",
-           "bf16_available", "bf16_unavailable_reason", "gemv", "gemv_bf16",
+           "bf16_available", "bf16_unavailable_reason", "configure", "fma_exact", "fma_rows", "gemv", "gemv_bf16",
+           "set_fma_rows",
            "gemv_amx", "unavailable_reason"]
 
 MAX_ROWS = 8  # rows handled in one pass over the weights (accumulators held in registers)
@@ -516,6 +517,14 @@ def set_fma_rows(lib: ctypes.CDLL, rows) -> None:
 
 
 @functools.lru_cache(maxsize=1)
+def fma_exact() -> bool:
+    """Whether two fp32 FMAs (a pair's odd product, then its even one, under DAZ/FTZ) give vdpbf16ps's
+    bits on this CPU (``sf_gemv_fma_exact``): where not, the AVX-512 BF16 kernel never takes its FMA path."""
+    lib = _load_bf16()[0]
+    return lib is not None and bool(lib.sf_gemv_fma_exact())
+
+
+@functools.lru_cache(maxsize=1)
 def fma_rows() -> tuple[int, ...]:
     """The passes of 2-8 rows of x the AVX-512 BF16 kernel runs with fp32 FMAs on this CPU (set in its
     library here; :func:`configure` sets it in the others): all of them where the FMA path computes 4
@@ -523,12 +532,12 @@ def fma_rows() -> tuple[int, ...]:
     streamed product; on a 2-core Intel Xeon with AMX, where vdpbf16ps runs at half a zmm FMA's rate,
     0.7-0.8x in cache, and streamed with its L1 prefetch 4-5 rows 0.88-0.97x: docs/results.md,
     thirty-fifth session; on an AMD Zen 5, where vdpbf16ps runs at twice an FMA's rate, it would lose),
-    none elsewhere, and only where the two paths give the same bits (``sf_gemv_fma_exact``), so that
+    none elsewhere, and only where the two paths give the same bits (:func:`fma_exact`), so that
     the choice never shows in a result. One row (a plain decode step, bound by the weights' stream)
     always keeps vdpbf16ps."""
-    lib = _load_bf16()[0]
-    if lib is None or not lib.sf_gemv_fma_exact():
+    if not fma_exact():
         return ()
+    lib = _load_bf16()[0]
     gen = torch.Generator().manual_seed(0)  # (the caller's random stream untouched)
     w = torch.randn(1024, 576, generator=gen).to(torch.bfloat16)  # 1.2 MB: in the threads' L2 caches
     xs = {k: torch.randn(k, 576, generator=gen).to(torch.bfloat16) for k in (4, 8)}

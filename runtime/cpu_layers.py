@@ -312,7 +312,8 @@ done:
    next position. cs/sn [n + max(depth - 1, 0)][D]: RoPE at past.. on. Each piece is the op the Python path
    runs (the same C norms and products), so the drafts are the same bits. wb/wf: sf_layers' work
    buffers for max(n, 1) rows; lb: bf16 work of n*F*H + n*H + max(n, 1)*2H + H + Vd. keep: the
-   weights' reads without the prefetch ahead (a head's, read every step from the caches).
+   weights' reads without the prefetch ahead (off by default from Python: the target's stream between two
+   drafts leaves the head's weights out of the caches).
    temp > 0: each draft is drawn (cpu_verify's draw, by the fp64 uniform uq[d]) from the draft
    distribution softmax(logits / temp), written to qout [depth][Vd] for the verifier; 2 when a
    row's scaled logits are not finite (nothing committed: the caller takes its PyTorch path).

@@ -96,16 +96,11 @@ needs_bf16 = pytest.mark.skipif(not cpu_gemv.bf16_available(), reason=f"avx512bf
                                 f"{cpu_gemv.bf16_unavailable_reason()}")
 
 
-def fma_exact() -> bool:
-    lib = cpu_gemv._load_bf16()[0]
-    return lib is not None and bool(lib.sf_gemv_fma_exact())
-
-
 @pytest.fixture(params=["vdpbf16ps", "fma"])
 def bf16_path(request):
     """The AVX-512 BF16 kernel with every pass on one path, whichever cpu_gemv.fma_rows chose here
     (restored after); the FMA path only where it gives vdpbf16ps's bits on this CPU."""
-    if request.param == "fma" and not fma_exact():
+    if request.param == "fma" and not cpu_gemv.fma_exact():
         pytest.skip("the FMA path does not give vdpbf16ps's bits on this CPU (cpu_gemv.fma_rows never uses it here)")
     lib = cpu_gemv._load_bf16()[0]
     cpu_gemv.fma_rows()
@@ -161,7 +156,7 @@ def _assert_rows_independent(product, x: torch.Tensor, sizes: tuple[int, ...]) -
 
 
 @needs_bf16
-@pytest.mark.skipif(not fma_exact(), reason="the FMA path does not give vdpbf16ps's bits on this CPU")
+@pytest.mark.skipif(not cpu_gemv.fma_exact(), reason="the FMA path does not give vdpbf16ps's bits on this CPU")
 @pytest.mark.parametrize("shape", [(72, 40), (131, 96), (33, 34), (7, 1536), (40, 576)])
 def test_the_fma_path_gives_vdpbf16ps_bits(shape):
     # which path a pass of rows takes (cpu_gemv.fma_rows: chosen by speed) must never show in a result:
@@ -207,7 +202,7 @@ def test_the_kernel_leaves_the_threads_floating_point_mode_as_it_was():
 def test_fma_rows_chooses_among_several_row_passes_only():
     rows = cpu_gemv.fma_rows()
     assert set(rows) <= set(range(2, cpu_gemv.MAX_ROWS + 1))  # one row (a plain step) keeps vdpbf16ps
-    if not fma_exact():
+    if not cpu_gemv.fma_exact():
         assert rows == ()
 
 

@@ -84,16 +84,11 @@ def test_engine_step_equals_the_op_by_op_forward(monkeypatch, arch, shape, kerne
     assert (ka - kb).abs().max() <= 0.02 * ka.abs().max()
 
 
-def _fma_exact() -> bool:
-    lib = cpu_gemv._load_bf16()[0]
-    return lib is not None and bool(lib.sf_gemv_fma_exact())
-
-
 @pytest.fixture(params=["vdpbf16ps", "fma"])
 def products_path(request):
     """The layer kernel's few-row products with every pass of several rows on one path (whichever
     cpu_gemv.fma_rows chose here, restored after); the FMA path only where it gives vdpbf16ps's bits."""
-    if request.param == "fma" and not _fma_exact():
+    if request.param == "fma" and not cpu_gemv.fma_exact():
         pytest.skip("the FMA path does not give vdpbf16ps's bits on this CPU (cpu_gemv.fma_rows never uses it here)")
     lib = cpu_layers._load()[0]
     cpu_gemv.set_fma_rows(lib, range(2, 9) if request.param == "fma" else ())
@@ -101,7 +96,7 @@ def products_path(request):
     cpu_gemv.set_fma_rows(lib, cpu_gemv.fma_rows())
 
 
-@pytest.mark.skipif(not _fma_exact(), reason="the FMA path does not give vdpbf16ps's bits on this CPU")
+@pytest.mark.skipif(not cpu_gemv.fma_exact(), reason="the FMA path does not give vdpbf16ps's bits on this CPU")
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_verification_on_either_products_path_is_the_same_bits(arch):
     # the path a pass of rows takes is chosen by speed (cpu_gemv.fma_rows): logits, features and the
