@@ -32,12 +32,13 @@ by it) passes of 2-8 rows run the same sums as fp32 FMAs, bit for bit the instru
 head's tree steps 1.06-1.07x faster on a 2-core Xeon, outputs unchanged).
 
 The AMX kernel (``"amx"``, :func:`gemv_amx`; Intel Sapphire Rapids and later, Linux grants the tile
-state on request) computes the same products on the tile unit: the weights, packed once
-(:func:`amx_pack`) so that each 16-output x 32-input tile is one contiguous KB, are the A tiles, x^T
-the B tile (its columns are x's rows, as many as there are, up to 16). A tile product does 16 rows'
-work per weight load, so 2-8 rows cost nearly what one does: on a 2-core Xeon with AMX (thirty-second
-session) SmolLM2-135M's forward at 1 / 4 / 8 tokens took 1.00x / 0.87x / 0.69x the AVX-512 kernel's
-time (the one-row parity needed the L1 prefetch below and no per-call packing for one row). Numerics:
+state on request) computes the same products on the tile unit: x's rows (up to 16) are the A tile,
+read in place, and the weights, packed once (:func:`amx_pack`) so that each 32-input x 16-output tile
+is one contiguous KB, the B tiles. A tile product does 16 rows' work per weight load, so 2-8 rows cost
+nearly what one does: on a 2-core Xeon with AMX (thirty-second session) SmolLM2-135M's forward at 1 /
+4 / 8 tokens took 1.00x / 0.87x / 0.69x the AVX-512 kernel's time (the one-row parity needed the L1
+prefetch below); with x as the A tile (thirty-sixth session; before, x^T was the B tile, packed per
+call, and each output stored alone) 5 rows cost 1.0-1.1x one row in cache instead of 1.3-1.7x. Numerics:
 each output is the tile product's fp32 sum in its fixed order (denormals flushed), whatever the row
 and thread count, so plain steps and verifications agree bit for bit when both run on it; its sums
 differ from the AVX-512 kernel's in the last bits, so the engine never mixes the two for one model.
@@ -400,8 +401,8 @@ void sf_gemv_dpbf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
 }
 """
 
-# The same products on Intel's AMX tiles (TDPBF16PS): weights are the A tiles (16 outputs x 32 inputs),
-# x^T the B tile (16 input pairs x 16 rows of x), packed per call; fp32 sums in the C tiles.
+# The same products on Intel's AMX tiles (TDPBF16PS): rows of x are the A tile (up to 16 rows x 32 inputs,
+# read in place), the weights the B tiles (16 input pairs x 16 outputs, packed once); fp32 sums in the C tiles.
 _SOURCE_AMX = r"""
 #include <stdlib.h>
 #include <string.h>
@@ -420,58 +421,48 @@ long sf_amx_permit(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCO
 
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } sf_tilecfg;
 
-/* y[r, o] = sum_i x[r, i] * w[o, i] + bias[o] for the n rows of x (bf16 [n, in]); wp the weights packed
-   [out/32][in/32][2][16][32] (amx_pack: each 16 x 32 tile one contiguous KB, a block pair's tiles
-   read in address order); y bf16 [n, out]; in % 32 == 0, out % 32 == 0. Each output is the tile
-   product's fp32 sum over the inputs in one fixed order, whatever n and the thread count (a row's
-   bits do not depend on the rows beside it). Returns 1 if the x buffer could not be allocated. */
-int sf_gemv_amx(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y, int n, int in, int out,
-                int keep) {
+/* to_bf16 of 16 lanes (round to nearest even; infinities and NaNs as to_bf16 has them) */
+static inline __m256i bf16x16(__m512 f) {
+    __m512i u = _mm512_castps_si512(f), ex = _mm512_set1_epi32(0x7f800000);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                  _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))), 16);
+    __mmask16 special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, ex), ex);
+    __m512i s = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_maskz_mov_epi32(
+        _mm512_test_epi32_mask(u, _mm512_set1_epi32(0xffff)), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, special, s));
+}
+
+/* y[r, o] = sum_i x[r, i] * w[o, i] + bias[o] for the n rows of x (bf16 [n, in], read in place: up to 16
+   rows are one A tile); wp the weights packed [out/32][in/32][2][16 input pairs][16 outputs][2] (amx_pack:
+   each B tile one contiguous KB, a block pair's tiles read in address order); y bf16 [n, out]; in % 32
+   == 0, out % 32 == 0. Each output is the tile product's fp32 sum over the inputs in one fixed order,
+   whatever n and the thread count (a row's bits do not depend on the rows beside it). Why x is the A
+   tile (thirty-sixth session): the other way round (weights as A, x^T as B) needed x packed per call
+   on one thread and each output stored alone: 5 rows cost 1.3-1.7x one row in cache, here 1.0-1.1x,
+   the same bits. */
+void sf_gemv_amx(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y, int n, int in, int out,
+                 int keep) {
     int nkb = in / 32, ng = (n + 15) / 16, pf = !keep;
-    /* the B tiles: x^T as bf16 pairs, per group of (up to) 16 rows [in/32][16 pairs][rows of the group];
-       one row of x is that layout already (its pairs 4 bytes apart), more are packed into a buffer kept
-       between calls (a scattered packing into 16 columns cost ~3-6 us per call, ~0.5 ms per decode step) */
-    const uint32_t *xb = (const uint32_t *)x;
-    if (n > 1) {
-        static __thread uint32_t *xbuf = 0;  /* the calling thread's; the workers read it through xb */
-        static __thread size_t xcap = 0;
-        size_t xbytes = (size_t)n * in * 2;
-        if (xbytes > xcap) {
-            free(xbuf);
-            xbuf = aligned_alloc(64, (xbytes + 63) / 64 * 64);
-            xcap = xbuf ? xbytes : 0;
-            if (!xbuf) return 1;
-        }
-        for (int g = 0; g < ng; g++) {
-            int nj = n - g * 16 < 16 ? n - g * 16 : 16;
-            uint32_t *dst = xbuf + (size_t)g * 16 * (in / 2);
-            for (int j = 0; j < nj; j++) {
-                const uint32_t *xr = (const uint32_t *)(x + (int64_t)(g * 16 + j) * in);
-                for (int q = 0; q < in / 2; q++) dst[(size_t)q * nj + j] = xr[q];
-            }
-        }
-        xb = xbuf;
-    }
     _Pragma("omp parallel")
     {
         sf_tilecfg c;
         float cb[2][256] __attribute__((aligned(64)));
-        int cfg = -1;  /* the column count the tiles are configured for */
+        int cfg = -1;  /* the row count the tiles are configured for */
         _Pragma("omp for schedule(static)")
         for (int b = 0; b < out / 32; b++) {
             const uint16_t *wb = wp + (int64_t)b * 32 * in;
             for (int g = 0; g < ng; g++) {
                 int nj = n - g * 16 < 16 ? n - g * 16 : 16;
-                if (nj != cfg) {  /* A tiles 16 x 64 bytes; B and C tiles nj columns of 4 bytes */
+                if (nj != cfg) {  /* A and C tiles nj rows (of 32 bf16 / 16 fp32); B tiles 16 rows of 64 bytes */
                     memset(&c, 0, sizeof c);
                     c.palette = 1;
-                    for (int t = 0; t < 2; t++) { c.rows[t] = 16; c.colsb[t] = 4 * nj; }
+                    for (int t = 0; t < 2; t++) { c.rows[t] = nj; c.colsb[t] = 64; }
                     for (int t = 2; t < 4; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
-                    c.rows[4] = 16; c.colsb[4] = 4 * nj;
+                    c.rows[4] = nj; c.colsb[4] = 64;
                     _tile_loadconfig(&c);
                     cfg = nj;
                 }
-                const uint32_t *xg = xb + (size_t)g * 16 * (in / 2);
+                const uint16_t *xg = x + (int64_t)g * 16 * in;
                 _tile_zero(0);
                 _tile_zero(1);
                 for (int kb = 0; kb < nkb; kb++) {
@@ -480,25 +471,26 @@ int sf_gemv_amx(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uin
                         for (int q = 0; q < 32; q++) _mm_prefetch(pp + SF_AMX_PF + q * 64, _MM_HINT_T1);
                         for (int q = 0; q < 32; q++) _mm_prefetch(pp + SF_AMX_PF0 + q * 64, _MM_HINT_T0);
                     }
-                    _tile_loadd(4, xg + (size_t)kb * 16 * nj, 4 * nj);
+                    _tile_loadd(4, xg + kb * 32, 2 * in);
                     _tile_loadd(2, wb + kb * 1024, 64);
                     _tile_loadd(3, wb + kb * 1024 + 512, 64);
-                    _tile_dpbf16ps(0, 2, 4);
-                    _tile_dpbf16ps(1, 3, 4);
+                    _tile_dpbf16ps(0, 4, 2);
+                    _tile_dpbf16ps(1, 4, 3);
                 }
                 _tile_stored(0, cb[0], 64);
                 _tile_stored(1, cb[1], 64);
-                for (int t = 0; t < 2; t++)
-                    for (int r = 0; r < 16; r++) {
-                        int o = b * 32 + t * 16 + r;
-                        float bv = bias ? from_bf16(bias[o]) : 0.0f;
-                        for (int j = 0; j < nj; j++) y[(int64_t)(g * 16 + j) * out + o] = to_bf16(cb[t][r * 16 + j] + bv);
-                    }
+                for (int t = 0; t < 2; t++) {  /* row j of C tile t: outputs o..o+15 of x's row j */
+                    int o = b * 32 + t * 16;
+                    __m512 bv = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                        _mm256_loadu_si256((const __m256i *)(bias + o))), 16)) : _mm512_setzero_ps();
+                    for (int j = 0; j < nj; j++)
+                        _mm256_storeu_si256((__m256i *)(y + (int64_t)(g * 16 + j) * out + o),
+                                            bf16x16(_mm512_add_ps(_mm512_load_ps(cb[t] + j * 16), bv)));
+                }
             }
         }
         if (cfg >= 0) _tile_release();
     }
-    return 0;
 }
 """
 
@@ -605,7 +597,6 @@ def _load_amx() -> tuple[ctypes.CDLL | None, str | None]:
     lib, why = build("sfgemvamx", _SOURCE_BF16 + _SOURCE_AMX, {"sf_gemv_amx": [p, p, p, p, i, i, i, i]}, isa=AMX_BF16)
     if lib is None:
         return None, why
-    lib.sf_gemv_amx.restype = ctypes.c_int
     lib.sf_amx_permit.restype = ctypes.c_long
     if lib.sf_amx_permit() != 0:
         return None, "the kernel asked Linux for the AMX tile state and was refused (arch_prctl ARCH_REQ_XCOMP_PERM)"
@@ -628,13 +619,14 @@ def amx_supports(w: torch.Tensor) -> bool:
 
 
 def amx_pack(w: torch.Tensor) -> torch.Tensor:
-    """``w`` ``[out, in]`` in the AMX kernel's layout ``[out/32, in/32, 2, 16, 32]``: each 16-output,
-    32-input tile one contiguous KB, a block pair's tiles in the order the kernel reads them."""
+    """``w`` ``[out, in]`` in the AMX kernel's layout ``[out/32, in/32, 2, 16, 16, 2]``: each B tile (32
+    inputs as 16 pairs x 16 outputs) one contiguous KB, a block pair's tiles in the order the kernel
+    reads them."""
     if not amx_supports(w):
         raise ValueError(f"the amx kernel takes CPU bf16 weights with multiples of 32 inputs and outputs, "
                          f"got {w.dtype} {tuple(w.shape)}")
     o, i = w.shape
-    return w.reshape(o // 32, 2, 16, i // 32, 32).permute(0, 3, 1, 2, 4).contiguous()
+    return w.reshape(o // 32, 2, 16, i // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
 
 
 def gemv_amx(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None = None, keep: bool = False) -> torch.Tensor:
@@ -645,7 +637,7 @@ def gemv_amx(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None = None, k
     lib = _load_amx()[0]
     if lib is None:
         raise RuntimeError(f"the amx kernel is unavailable: {amx_unavailable_reason()}")
-    if wp.dim() != 5 or wp.dtype != torch.bfloat16 or not wp.is_contiguous() or x.dtype != torch.bfloat16:
+    if wp.dim() != 6 or wp.dtype != torch.bfloat16 or not wp.is_contiguous() or x.dtype != torch.bfloat16:
         raise ValueError(f"the amx kernel takes bf16 inputs and weights from amx_pack, got x {x.dtype}, "
                          f"w {wp.dtype} {tuple(wp.shape)}")
     out_f, in_f = wp.shape[0] * 32, wp.shape[1] * 32
@@ -654,8 +646,7 @@ def gemv_amx(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None = None, k
     y = torch.empty(n, out_f, dtype=torch.bfloat16)
     if n:
         bias = None if b is None else b.to(torch.bfloat16).contiguous()
-        if lib.sf_gemv_amx(x2.data_ptr(), wp.data_ptr(), ptr(bias), y.data_ptr(), n, in_f, out_f, int(keep)):
-            raise MemoryError("the amx kernel could not allocate its input buffer")
+        lib.sf_gemv_amx(x2.data_ptr(), wp.data_ptr(), ptr(bias), y.data_ptr(), n, in_f, out_f, int(keep))
     return y.view(*x.shape[:-1], out_f)
 
 

@@ -45,7 +45,7 @@ _LAYER = r"""
    with them and the caller asks (amx), else the AVX-512 BF16 kernel */
 #ifdef SF_AMX
 #define TGEMV(amx, x, w, b, y, n, in, out, keep) \
-    if ((amx) ? sf_gemv_amx(x, w, b, y, n, in, out, 0) : (sf_gemv_dpbf16(x, w, b, y, n, in, out, keep), 0)) return 1
+    do { if (amx) sf_gemv_amx(x, w, b, y, n, in, out, 0); else sf_gemv_dpbf16(x, w, b, y, n, in, out, keep); } while (0)
 #else
 #define TGEMV(amx, x, w, b, y, n, in, out, keep) sf_gemv_dpbf16(x, w, b, y, n, in, out, keep)
 #endif

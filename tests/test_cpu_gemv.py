@@ -266,7 +266,7 @@ def test_gemv_amx_equals_linear(rows, shape):
 
 @needs_amx
 def test_gemv_amx_gives_a_row_the_same_bits_alone_and_in_any_batch():
-    # one row reads x in place, more are packed (16 per group, the last group narrower): the same sums
+    # up to 16 rows of x are one tile (the last group narrower): a row gets the same sums in any group
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 192, generator=g).bfloat16()
     wp = cpu_gemv.amx_pack(w)
