@@ -162,7 +162,7 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
                 for (int c = kt_from; c < past + n; c++) kt_column(K + hh * s_head, Kt + hh * t_head, c, D);
         }
         if (attn_rows(qf, K, V, 0, s_head, &lens, &counts, &first, blk, bw ? bw : n, 1, hq, hkv, D, scale, of, bw,
-                      Kt, t_head))
+                      Kt, t_head, amx))
             return 1;
         for (int64_t i = 0; i < (int64_t)n * hq * D; i += 16) st16(ao + i, _mm512_loadu_ps(of + i));
         TGEMV(amx, ao, (const uint16_t *)p[3], 0, o, n, hq * D, H, keep);

@@ -736,6 +736,54 @@ def test_greedy_speculation_equals_plain_on_the_amx_layer_kernel(monkeypatch):
 
 
 @needs_amx
+@pytest.mark.parametrize("head_dim", [64, 128])  # 2 and 4 tile products per block of scores
+def test_amx_layer_kernel_gives_each_tree_node_its_plain_steps_bits(head_dim):
+    # the AMX build scores the attention on the tiles: a node's logits in a verification must be the
+    # bits of plain steps along its path (its ancestors then itself), and close to the op-by-op forward;
+    # scores summed in another order for plain steps than for verifications fail here
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=128 // head_dim, num_key_value_heads=1, max_position_embeddings=512,
+                      initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():  # K channels over 20 binades: the scores' fp32 sums round, so their order shows
+        for layer in model.model.layers:
+            w = layer.self_attn.k_proj.weight
+            w.mul_(torch.logspace(-10, 10, w.shape[0], base=2)[torch.randperm(w.shape[0])].view(-1, 1).to(w.dtype))
+    target = wrap_target(model, name=f"tiny-d{head_dim}", backend="engine")
+    target.engine = LlamaEngine(target.model, kernels=AMX)
+    g = torch.Generator().manual_seed(3)
+    prefix, toks = torch.randint(0, 96, (1, 37), generator=g), torch.randint(0, 96, (1, 7), generator=g)
+    parents = [-1, 0, 0, 1, 1, 2, 4]
+    P = torch.tensor([parents])
+
+    def verify(layer_kernel):
+        target.engine.use_layer_kernel = layer_kernel
+        cache = target.new_cache(capacity=64)
+        target.forward(prefix, cache)
+        cache.commit()
+        return target.forward(toks, cache, position_ids=37 + tree_depths(P), tree_mask=ancestor_matrix(P)).logits[0]
+
+    ref = verify(False).float()
+    logits = verify(True)  # (the layer kernel stays on for the plain steps below)
+    assert (logits.float() - ref).abs().max() <= 0.02 * ref.abs().max()
+    for node in range(7):
+        path, i = [], node
+        while i >= 0:
+            path.insert(0, i)
+            i = parents[i]
+        cache = target.new_cache(capacity=64)
+        target.forward(prefix, cache)
+        cache.commit()
+        for i in path:
+            step = target.forward(toks[:, i:i + 1], cache).logits[0, 0]
+            cache.commit()
+        assert torch.equal(step, logits[node]), f"node {node}"
+
+
+@needs_amx
 @pytest.mark.parametrize("winner", ["avx512bf16", "amx"])
 def test_the_kernel_choice_times_the_amx_layer_kernel_and_never_mixes(monkeypatch, winner):
     # the products alone chose AVX-512 BF16 for one row and AMX for several: that mix is not offered
