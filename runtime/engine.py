@@ -229,9 +229,11 @@ def kernel_for(kernels: tuple[str, ...], rows: int) -> str:
 
 def head_kernels(kernels: tuple[str, ...]) -> tuple[str, ...]:
     """The kernels a speculator head runs its products on when its target's engine chose ``kernels``:
-    the same, except AVX-512 BF16 for AMX (a head's weights are read from the caches every step,
-    where those products need no tile packing)."""
-    return tuple("avx512bf16" if k == "amx" else k for k in kernels)
+    the same, except AVX-512 BF16 for AMX on one and several rows (a head's weights are read from the
+    caches every step, where those products need no tile packing). Many rows (a head's pass over a
+    prompt) keep AMX: there the few-row kernel re-reads the weights per 8 rows (700 prompt pairs 85 ms,
+    on the tiles 27, oneDNN 30 at 2 threads on a Xeon with AMX, thirty-sixth session)."""
+    return tuple("avx512bf16" if k == "amx" and i < 2 else k for i, k in enumerate(kernels))
 
 
 def kernels_used(kernels: tuple[str, ...]) -> set[str]:
@@ -263,11 +265,19 @@ class PreparedLinears:
         """Prepare ``lins`` (one linear, or a group :meth:`fused` runs) for both kernels now, so a
         first step does not pay for it (a weight edited later is re-prepared when next used)."""
         for kernel in kernels_used(self.kernels):
-            self._entry(lins, kernel)
+            self._entry(lins, self._takes(lins, kernel))
+
+    @staticmethod
+    def _takes(lins: tuple[torch.nn.Linear, ...], kernel: str) -> str:
+        """``kernel``, or AVX-512 BF16 where it is AMX and a weight's sizes are not multiples of 32 (the
+        target's matrices are, where its engine offers AMX; a head's need not be)."""
+        if kernel == "amx" and not all(cpu_gemv.amx_supports(lin.weight) for lin in lins):
+            return "avx512bf16"
+        return kernel
 
     def fused(self, lins: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> torch.Tensor:
         """``cat([lin(x) for lin in lins], -1)`` as one product over the concatenated weights."""
-        kernel = kernel_for(self.kernels, x.numel() // x.shape[-1])
+        kernel = self._takes(lins, kernel_for(self.kernels, x.numel() // x.shape[-1]))
         hit = self._entry(lins, kernel)
         if kernel == "avx512bf16":  # a head's weights, read every step from the caches: no prefetch ahead
             return _avx512bf16(x, hit[0], hit[2], keep=True)

@@ -12,7 +12,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from specfoundry.runtime import cpu_gemv, cpu_layers, load_drafter
 from specfoundry.runtime.drafters.base import DraftContext
-from specfoundry.runtime.engine import KERNELS_ENV, LlamaEngine
+from specfoundry.runtime.engine import KERNELS_ENV, LlamaEngine, kernel_for
 from specfoundry.runtime.models import wrap_target
 from specfoundry.runtime.sampling import SamplingParams
 from specfoundry.runtime.tree import ancestor_matrix, tree_depths
@@ -730,9 +730,32 @@ def test_greedy_speculation_equals_plain_on_the_amx_layer_kernel(monkeypatch):
     assert_greedy_speculation_is_plain(target, [("ngram", {}), ("eagle3", {"tree": "chain", "depth": 3}),
                                                 ("eagle3", {"depth": 3, "total_tokens": 8})], vocab=96)
     assert 1 in calls and max(calls) > 1
-    # the heads' own products stay on the AVX-512 BF16 kernel (their weights are read from the caches)
+    # the heads' own few-row products stay on the AVX-512 BF16 kernel (their weights are read from the
+    # caches); a pass over a prompt's pairs takes the tiles
     head = load_drafter("eagle3", target=target).head
-    assert head.__dict__["_linears"].kernels == ("avx512bf16", "avx512bf16", "avx512bf16")
+    assert head.__dict__["_linears"].kernels == ("avx512bf16", "avx512bf16", "amx")
+
+
+@needs_amx
+def test_a_heads_many_row_products_take_the_tiles_where_its_sizes_allow():
+    # a head's pass over a prompt (more than 8 rows) on the AMX tiles, its few-row steps on AVX-512 BF16;
+    # a weight whose sizes the tiles do not take stays on AVX-512 BF16 for any row count
+    from specfoundry.runtime.engine import PreparedLinears
+
+    run = PreparedLinears(AMX)
+    g = torch.Generator().manual_seed(0)
+    ok, odd = torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(64, 40, bias=False)
+    for lin in (ok, odd):
+        lin.weight.data = torch.randn(lin.weight.shape, generator=g).bfloat16()
+    for lin, many in ((ok, "amx"), (odd, "avx512bf16")):
+        run.prepare((lin,))
+        for rows, kernel in ((1, "avx512bf16"), (5, "avx512bf16"), (40, many)):
+            x = torch.randn(rows, 64, generator=g).bfloat16()
+            y = run(lin, x)
+            assert PreparedLinears._takes((lin,), kernel_for(run.kernels, rows)) == kernel
+            ref = x.float() @ lin.weight.float().t()
+            assert (y.float() - ref).abs().max() <= 0.02 * ref.abs().max()
+    assert {k for _, k in run._prepared} == {"avx512bf16", "amx"}
 
 
 @needs_amx
