@@ -330,7 +330,7 @@ static void amx_scores(const uint32_t *qp, int P, int D, const uint16_t *Kt, int
     _tile_release();
     __m512 sv = _mm512_set1_ps(scale);
     for (int r = 0; r < P; r++)
-        for (int64_t j = 0; j < (W + 15) / 16 * 16; j += 16)
+        for (int64_t j = 0; j < WP; j += 16)
             _mm512_store_ps(sc + r * WP + j, _mm512_mul_ps(_mm512_load_ps(sc + r * WP + j), sv));
 }
 #endif

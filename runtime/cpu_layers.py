@@ -7,7 +7,8 @@ Scope: Llama-family layers (RMSNorm, fused Q/K/V with an optional bias, rotate-h
 query attention over a static cache, SiLU-gated MLP) for 1-:data:`MAX_TOKENS` new tokens of one
 sequence, bf16 weights, activations and cache, on CPUs with ``avx512_bf16``. The matrix products
 and the attention are the kernels the engine already runs one by one (:mod:`.cpu_gemv`'s few-row
-product, :mod:`.cpu_attention`'s ``sf_attn_rows``); this module only runs a whole forward's layers
+product, :mod:`.cpu_attention`'s ``sf_attn_rows``; the AMX build scores the attention on the tiles
+instead, ``amx_scores``, for every step alike); this module only runs a whole forward's layers
 without returning to Python between them.
 
 Why: a decode step of SmolLM2-135M ran ~4,700 PyTorch ops (30 layers x norms, RoPE, casts, slices,
