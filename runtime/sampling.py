@@ -46,6 +46,16 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def draft_params(params: SamplingParams, scale: float) -> SamplingParams:
+    """The processing a drafter draws its proposals with for a request sampling with ``params``: the
+    same top-k / top-p at ``scale`` times the temperature (greedy stays greedy). Any scale keeps the
+    output lossless: the verifier compares the target's ``p`` with the ``q`` each draft was really drawn
+    from (``Draft.q``); the scale only changes how often drafts are accepted (``runtime/calibrate.py``)."""
+    if params.greedy or scale == 1.0:
+        return params
+    return SamplingParams(params.temperature * scale, params.top_k, params.top_p)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` (first maximal index; NaN counts as maximal), widened to float32 first
     for bf16/fp16 logits on a CPU: widening is exact, so the index is the same, and PyTorch's CPU

@@ -256,7 +256,8 @@ def _drafts_and_outputs(target, drafter, prompts, lookup: bool = False, temperat
     return proposed, outs
 
 
-@pytest.mark.parametrize("case", ["chain", "chain+lookup", "tree", "wide tree", "deep tree", "chain T=1", "tree T=1"])
+@pytest.mark.parametrize("case", ["chain", "chain+lookup", "tree", "wide tree", "deep tree", "chain T=1", "tree T=1",
+                                  "chain T=1 draft temperature 0.6"])
 def test_fused_eagle3_drafting_equals_the_step_by_step_drafting(monkeypatch, case):
     """One C call per proposal (the queued pairs, and a greedy chain) drafts what fuse_features, step and
     compute_logits do one by one, bit for bit (a sampled chain: the same draws, q within fp32 rounding;
@@ -267,7 +268,8 @@ def test_fused_eagle3_drafting_equals_the_step_by_step_drafting(monkeypatch, cas
     target = _target(init_std=0.5)
     trees = {"tree": {"tree": "dynamic", "top_k": 2, "total_tokens": 6}, "tree T=1": {"tree": "dynamic", "top_k": 2, "total_tokens": 6, "sampled_trees": True},
              "wide tree": {"tree": "dynamic", "top_k": 5, "total_tokens": 12, "depth": 4},
-             "deep tree": {"tree": "dynamic", "top_k": 8, "total_tokens": 40, "depth": 5}}
+             "deep tree": {"tree": "dynamic", "top_k": 8, "total_tokens": 40, "depth": 5},
+             "chain T=1 draft temperature 0.6": {"draft_temperature": 0.6}}
     drafter = _eagle3_chain(target, **trees.get(case, {}))
     lookup, temperature = case == "chain+lookup", 1.0 if "T=1" in case else 0.0
     g = torch.Generator().manual_seed(2)
@@ -536,11 +538,12 @@ def test_on_the_avx512_attention_every_serving_step_attends_by_the_kernel():
     assert (a - b).abs().max() <= 0.02 * b.abs().max() and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
 
 
-@pytest.mark.parametrize("kernels, V, STEPS", [(FEW_ROW, 5, 3), pytest.param(AMX, 32, 2, marks=needs_amx)],
-                         ids=["avx512bf16", "amx"])  # AMX takes vocabularies of multiples of 32
-def test_speculative_sampling_through_the_kernel_keeps_the_target_distribution(monkeypatch, kernels, V, STEPS):
+@pytest.mark.parametrize("kernels, V, STEPS, scale", [(FEW_ROW, 5, 3, 1.0), (FEW_ROW, 5, 3, 0.6),
+                                                      pytest.param(AMX, 32, 2, 1.0, marks=needs_amx)],
+                         ids=["avx512bf16", "avx512bf16 draft temperature 0.6", "amx"])  # AMX: vocabularies of multiples of 32
+def test_speculative_sampling_through_the_kernel_keeps_the_target_distribution(monkeypatch, kernels, V, STEPS, scale):
     # T=1 with an EAGLE-3 chain, every target step and head step on the layer kernel, the chain sampled
-    # in the head's C call and verified in C (cpu_verify): the distribution
+    # in the head's C call (at ``scale`` x T: runtime/calibrate.py) and verified in C (cpu_verify): the distribution
     # of the first STEPS tokens is the target's own (exact, from the engine's forward), by chi-square;
     # the same harness rejects the head's own distribution
     from test_sampling_lossless import PROMPT, goodness_of_fit
@@ -560,7 +563,8 @@ def test_speculative_sampling_through_the_kernel_keeps_the_target_distribution(m
         logits = target.forward(torch.tensor([PROMPT + list(seq)]), cache).logits[0, len(PROMPT) - 1: -1]
         p = probs_from_logits(logits, params)
         exact[seq] = float(torch.prod(p[torch.arange(STEPS), torch.tensor(seq)]))
-    gen = SpeculativeGenerator(target, load_drafter("eagle3", target=target, tree="chain", depth=2), adaptive=False)
+    gen = SpeculativeGenerator(target, load_drafter("eagle3", target=target, tree="chain", depth=2, draft_temperature=scale),
+                               adaptive=False)
     # the drafts sampled in the head's one C call and verified by the C rejection sampler
     from specfoundry.runtime import cpu_verify
     from specfoundry.runtime.speculators.eagle import Eagle3Head

@@ -156,12 +156,26 @@ def test_tune_shape_cli(checkpoint, tiny, capsys):
     assert main(["tune-shape", "--speculator", str(checkpoint), "--target", str(target_dir), "--limit", "2",
                  "--shapes", "chain@2,chain@3", "--max-new-tokens", "4", "--dtype", "float32", "--dry-run"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert set(printed["speedups"]) == {"chain@2", "chain@3"} and printed["prompts"] == 2
+    shape, calibrated = printed["runtime_shape"], printed["draft_temperature"]
+    assert set(shape["speedups"]) == {"chain@2", "chain@3"} and shape["prompts"] == 2
+    assert calibrated["temperatures"] == [0.7, 1.0] and calibrated["prompts"] == 2
     assert (checkpoint / "config.json").read_text() == before  # --dry-run writes nothing
     assert main(["tune-shape", "--speculator", str(checkpoint), "--target", str(target_dir), "--limit", "1",
-                 "--shapes", "chain@2", "--max-new-tokens", "4", "--dtype", "float32"]) == 0
-    assert read_config(checkpoint)["training"]["runtime_shape"]["depth"] == 2
-    capsys.readouterr()
+                 "--shapes", "chain@2", "--max-new-tokens", "4", "--dtype", "float32", "--draft-temperatures", "0.8"]) == 0
+    training = read_config(checkpoint)["training"]
+    assert training["runtime_shape"]["depth"] == 2 and training["draft_temperature"]["temperatures"] == [0.8]
+    assert json.loads(capsys.readouterr().out)["draft_temperature"]["scale"] == training["draft_temperature"]["scale"]
+    assert main(["tune-shape", "--speculator", str(checkpoint), "--target", str(target_dir), "--limit", "1",
+                 "--shapes", "chain@2", "--max-new-tokens", "4", "--dtype", "float32", "--draft-temperatures", "0,1"]) == 2
+    assert "--draft-temperatures must be > 0" in capsys.readouterr().err
+    stored = read_config(checkpoint)["training"]["runtime_shape"]
+    assert main(["tune-shape", "--speculator", str(checkpoint), "--target", str(target_dir), "--limit", "1",
+                 "--shapes", "", "--max-new-tokens", "4", "--dtype", "float32"]) == 0  # the draft temperature alone
+    assert json.loads(capsys.readouterr().out)["runtime_shape"] is None
+    training = read_config(checkpoint)["training"]
+    assert training["runtime_shape"] == stored and training["draft_temperature"]["temperatures"] == [0.7, 1.0]
+    assert main(["tune-shape", "--speculator", str(checkpoint), "--shapes", "", "--draft-temperatures", ""]) == 2
+    assert "nothing to measure" in capsys.readouterr().err
     assert main(["tune-shape", "--speculator", str(checkpoint), "--target", str(target_dir), "--shapes", "tree@2"]) == 2
     assert "expected 'adaptive', 'chain@K' or 'tree@K/N'" in capsys.readouterr().err
 

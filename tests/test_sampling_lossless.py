@@ -110,6 +110,11 @@ def _cases(target):
         head = Eagle3Head.from_target(target, draft_token_ids=[4, 1, 3])
         cases.append(("eagle3 reduced vocab T=1", Eagle3Drafter(head, top_k=2, depth=2, sampled_trees=True),
                       dict(max_depth=2, max_nodes=6), SamplingParams(1.0)))
+        # drafts drawn at a multiple of the request's temperature (runtime/calibrate.py), verified against
+        # the q they were drawn from (the C chain at 0.6 x: tests/test_cpu_layers.py)
+        cases.append(("eagle3 sampled tree draft temperature 1.5 T=0.8 top-p 0.9",
+                      load_drafter("eagle3", target=target, top_k=2, depth=2, sampled_trees=True, draft_temperature=1.5),
+                      dict(max_depth=2, max_nodes=6), SamplingParams(0.8, top_p=0.9)))
         # the chain fast path (one draw per depth, no tree search) over the reduced vocabulary
         cases.append(("eagle3 chain reduced vocab T=0.8 top-p 0.9", Eagle3Drafter(head, tree="chain", depth=2),
                       dict(max_depth=2, max_nodes=3), SamplingParams(0.8, top_p=0.9)))
@@ -130,6 +135,7 @@ def _cases(target):
 CASE_NAMES = ["draft-chain T=1", "draft-chain T=0.7 top-p 0.9", "ngram deterministic T=1.3 top-k 4", "plain T=0.9 top-p 0.9",
               "eagle3 dynamic tree T=1", "eagle3 tree shape drafting chains T=1", "eagle3 chain, lookup first T=1", "eagle3 small tree, lookup first T=1",
               "eagle3 reduced vocab T=1",
+              "eagle3 sampled tree draft temperature 1.5 T=0.8 top-p 0.9",
               "eagle3 chain reduced vocab T=0.8 top-p 0.9", "medusa static tree T=0.8 top-p 0.95",
               "medusa reduced vocab T=1"]
 

@@ -391,6 +391,9 @@ class EvaluationConfig(_Section):
     # held-out prompts for that (0: skip it) and its wall budget
     runtime_prompts: int = Field(8, ge=0)
     runtime_max_minutes: float | None = Field(1.5, gt=0)
+    # EAGLE heads: the request temperatures at which the draft temperature is calibrated on the same
+    # held-out prompts (runtime/calibrate.py; stored as training.draft_temperature; empty: skip it)
+    draft_temperatures: list[Annotated[float, Field(gt=0)]] = Field(default_factory=lambda: [0.7, 1.0])
 
 
 class Recipe(_Section):

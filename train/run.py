@@ -527,6 +527,19 @@ def _save_and_evaluate(recipe, target, module, state_dict, run_dir: Path, summar
         acc.print("[eval] runtime shape: " + ", ".join(f"{c} {v:.2f}x" for c, v in shape["speedups"].items())
                   + f" -> {shape_label(shape)} "
                   f"(prompt lookup first, {shape['prompts']} held-out prompts)")
+    if recipe.method in ("eagle3", "eagle") and ev.runtime_prompts and ev.draft_temperatures and heldout:
+        # the scale of a sampling request's temperature its drafts are drawn at (runtime/calibrate.py)
+        from specfoundry.runtime.calibrate import measure_draft_temperature
+        from specfoundry.runtime.speculators.checkpoint import set_draft_temperature
+
+        measured = measure_draft_temperature(target, load_drafter(str(spec_dir), target=target),
+                                             heldout[: ev.runtime_prompts], ev.draft_temperatures,
+                                             max_new_tokens=ev.max_new_tokens)
+        set_draft_temperature(spec_dir, measured)
+        result["draft_temperature"] = measured
+        scale, by_scale = measured["scale"], measured["acceptance"]
+        acc.print(f"[eval] draft temperature: {scale:g} x the request's (first-draft acceptance {by_scale[f'{scale:g}']:.3f}, "
+                  f"at 1 x {by_scale.get('1', float('nan')):.3f}; {measured['positions']} held-out positions)")
     from .stages import evaluation_stage, guard_line
 
     # planned = the prompts the recipe asked for per set (a set with fewer is marked, not hidden)

@@ -33,7 +33,10 @@ drafts' own values would bias the output).
 
 Options: ``tree`` ("dynamic" | "chain"; chain = ``top_k`` 1), ``depth`` (5), ``top_k`` (8),
 ``total_tokens`` (32 nodes including the root). ``ctx.max_depth``/``ctx.max_nodes`` lower them.
-``sampled_trees`` (False): sampling requests draft a chain of the tree's depth, as the serving
+``draft_temperature`` (1.0, or the checkpoint's measured ``training.draft_temperature``): sampling
+requests draw drafts at this multiple of their temperature (``sampling.draft_params``; lossless at any
+value, since ``Draft.q`` records what was drawn from: it only moves the acceptance, see
+``runtime/calibrate.py``). ``sampled_trees`` (False): sampling requests draft a chain of the tree's depth, as the serving
 engine's rows do; True drafts the sampled tree above. Why: a sampled tree is drafted and verified
 step by step in Python where a chain runs in C, and at T=1 a tree barely accepts more: the default
 head on Spec-Bench, 2 threads, lookup-tree@2/4 0.91x plain (draft 3.1 ms, verify 11.3 ms per step,
@@ -47,11 +50,11 @@ import math
 import torch
 
 from .. import cpu_layers
-from ..adaptive import MAX_DRAFT_DEPTH, MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, check_int
+from ..adaptive import MAX_DRAFT_DEPTH, MAX_DRAFT_NODES, MAX_DRAFT_TOP_K, check_int, check_real
 from ..cuda_graph import bucket_for
-from ..sampling import probs_from_logits, sample, tree_log_probs
+from ..sampling import draft_params, probs_from_logits, sample, tree_log_probs
 from ..speculators import Eagle3Head, EagleHead, load_speculator, read_config
-from ..speculators.checkpoint import DRAFT_SHAPE_KEYS, default_draft_shape
+from ..speculators.checkpoint import DRAFT_SHAPE_KEYS, MAX_DRAFT_TEMPERATURE, default_draft_shape
 from ..target import KVCache
 from ..tree import Draft, subtree
 from .base import DraftContext, Drafter, register_drafter
@@ -66,7 +69,7 @@ class EagleDrafter(Drafter):
     head_class = EagleHead
 
     def __init__(self, head, *, tree: str = "dynamic", depth: int = 5, top_k: int = 8, total_tokens: int = 32,
-                 sampled_trees: bool = False):
+                 sampled_trees: bool = False, draft_temperature: float = 1.0):
         if not isinstance(head, self.head_class):
             raise TypeError(f"the {self.type} drafter needs a {self.head_class.__name__}, got {type(head).__name__}")
         if tree not in ("dynamic", "chain"):
@@ -76,6 +79,8 @@ class EagleDrafter(Drafter):
         total_tokens = check_int("total_tokens", total_tokens, 2, MAX_DRAFT_NODES)
         if not isinstance(sampled_trees, bool):
             raise ValueError(f"sampled_trees must be True or False, got {sampled_trees!r}")
+        self.draft_temperature = check_real("draft_temperature", draft_temperature, 0.0, MAX_DRAFT_TEMPERATURE,
+                                            lo_open=True)
         self.head = head.eval()
         self.tree = tree
         self.sampled_trees = sampled_trees
@@ -228,7 +233,7 @@ class EagleDrafter(Drafter):
         if self._plan is False:  # the head's one-call drafting, checked once per request
             plan = getattr(self.head, "draft_plan", None) if self._static else None
             self._plan = None if plan is None else plan(self.cache)
-        temperature = 0.0 if not chain or ctx.sampling.greedy else ctx.sampling.temperature
+        temperature = 0.0 if not chain or ctx.sampling.greedy else ctx.sampling.temperature * self.draft_temperature
         done = None if self._plan is None or (ids is None and not chain) else \
             self.head.fused_draft(ids, features, self._root_hidden, chain, self.cache, temperature,
                                   None if ctx is None else ctx.generator, top_k, budget,
@@ -288,7 +293,7 @@ class EagleDrafter(Drafter):
             if greedy:
                 tok = logits.argmax(-1)  # [1] draft-vocabulary id
             else:
-                q = probs_from_logits(logits, ctx.sampling)
+                q = probs_from_logits(logits, draft_params(ctx.sampling, self.draft_temperature))
                 tok = sample(q, ctx.generator).view(1)
                 qs.append(q)
             tok = tok if d2t is None else d2t[tok]
@@ -378,7 +383,7 @@ class EagleDrafter(Drafter):
         for d in range(1, depth + 1):
             # drawn in the draft vocabulary (2k rows, not the target's 49k); q is mapped into the
             # target vocabulary once, for the finished tree
-            q = probs_from_logits(head.compute_logits(front_h), ctx.sampling)  # [m, Vd]
+            q = probs_from_logits(head.compute_logits(front_h), draft_params(ctx.sampling, self.draft_temperature))  # [m, Vd]
             Vq = q.shape[-1]
             m = q.shape[0]
             # decide every node's child count before drawing any of them
@@ -465,9 +470,12 @@ def _make(drafter_cls, source, target, architecture: dict | None = None, seed: i
         # no shape named: the checkpoint's default (its measured runtime shape, else its tau shape);
         # a shape named: the tau shape under the caller's options
         cfg = read_config(source)
+        calibrated = (cfg.get("training") or {}).get("draft_temperature")
         if any(k in options for k in _TREE_OPTIONS):
             cfg = {"training": {"drafter_options": (cfg.get("training") or {}).get("drafter_options")}}
         saved, default_adaptive = default_draft_shape(cfg)
+        if calibrated is not None:  # measured on held-out text (runtime/calibrate.py); a caller's value wins
+            saved["draft_temperature"] = calibrated["scale"]
         options = {**saved, **options}
     # the target engine as it is now: one built before a .to(device/dtype) holds the old device's
     # kernels (a CPU kernel for a head on CUDA failed on a GPU machine)

@@ -26,7 +26,8 @@ the server emits still comes from the verifier.
   seconds of those catch-ups are counted in :attr:`SlotDrafts.catchup_seconds` (a once-per-request
   cost the policy must not read as a drafting cost);
 - ``propose``: greedy rows take the argmax, sampling rows draw from their processed draft
-  distribution with their own generator (``Draft.q`` records it), one token per depth.
+  distribution (at the drafter's ``draft_temperature`` multiple of the row's temperature) with their
+  own generator (``Draft.q`` records it), one token per depth.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import time
 
 import torch
 
-from ..sampling import SamplingParams, probs_from_logits, sample, tree_log_probs
+from ..sampling import SamplingParams, draft_params, probs_from_logits, sample, tree_log_probs
 from ..drafters.eagle import topk_first
 from ..tree import Draft, subtree
 
@@ -50,11 +51,12 @@ class SlotDrafts:
     Rows mirror the serving :class:`~.slots.SlotCache`: the caller adds, commits and removes
     them in the same order."""
 
-    def __init__(self, head, slots: int, capacity: int):
+    def __init__(self, head, slots: int, capacity: int, draft_temperature: float = 1.0):
         if not (hasattr(head, "step_rows") and hasattr(head, "fuse_features")):
             raise TypeError(f"{type(head).__name__} has no batched drafting step")
         a = head.architecture
         self.head = head
+        self.draft_temperature = draft_temperature  # the drafter's (EagleDrafter.draft_temperature)
         with torch.inference_mode():
             self.kv = torch.zeros(2, slots, a["num_key_value_heads"], capacity, a["head_dim"], dtype=head.dtype,
                                   device=head.device)
@@ -179,7 +181,7 @@ class SlotDrafts:
             if not all(greedy):
                 for j, i in enumerate(live):
                     if not greedy[j]:
-                        q = probs_from_logits(logits[j: j + 1], sampling[i])[0]  # draft vocabulary
+                        q = probs_from_logits(logits[j: j + 1], draft_params(sampling[i], self.draft_temperature))[0]  # draft vocabulary
                         tok[j] = sample(q, generators[i])
                         q_d[j] = q
             target_tok = tok if d2t is None else d2t[tok]

@@ -157,6 +157,9 @@ def validate_config(cfg, file=CONFIG_NAME, target=None) -> dict:
     if "runtime_shape" in training:
         for key, problem in runtime_shape_problems(training["runtime_shape"]):
             raise CheckpointError(file, "training.runtime_shape" + (f".{key}" if key else ""), problem)
+    if "draft_temperature" in training:
+        for key, problem in draft_temperature_problems(training["draft_temperature"]):
+            raise CheckpointError(file, "training.draft_temperature" + (f".{key}" if key else ""), problem)
     if list(cfg["target"]["feature_layers"]) != list(cfg["architecture"]["feature_layers"]):
         raise CheckpointError(file, "target.feature_layers",
                               f"{cfg['target']['feature_layers']} != architecture.feature_layers "
@@ -270,6 +273,43 @@ def runtime_shape_problems(shape) -> list[tuple[str | None, str]]:
         elif key == "speedups" and not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
             out.append((key, "expected numbers"))
     return out
+
+
+#: the largest draft temperature scale a drafter or checkpoint takes (``EagleDrafter(draft_temperature=)``)
+MAX_DRAFT_TEMPERATURE = 4.0
+
+#: what ``training.draft_temperature`` holds (see runtime/calibrate.py): the scale drafters load with,
+#: and how it was measured
+_DRAFT_TEMPERATURE_SCHEMA = {"scale": float, "acceptance": dict, "temperatures": ("list", float), "positions": int,
+                             "prompts": int, "max_new_tokens": int}
+
+
+def draft_temperature_problems(value) -> list[tuple[str | None, str]]:
+    """Problems of a checkpoint's measured draft temperature (``training.draft_temperature``, written by
+    :func:`set_draft_temperature`): ``scale`` required in (0, MAX_DRAFT_TEMPERATURE], the measurement's
+    fields typed, no other key."""
+    if not isinstance(value, dict):
+        return [(None, f"expected an object, got {_json_type(value)}")]
+    out = []
+    if "scale" not in value:
+        out.append(("scale", "missing"))
+    for key, item in value.items():
+        spec = _DRAFT_TEMPERATURE_SCHEMA.get(key)
+        if spec is None:
+            out.append((key, f"unknown key (allowed: {', '.join(_DRAFT_TEMPERATURE_SCHEMA)})"))
+        elif not _type_ok(item, spec):
+            out.append((key, f"expected {_type_name(spec)}, got {_json_type(item)} ({item!r:.60})"))
+        elif key == "scale" and not 0 < item <= MAX_DRAFT_TEMPERATURE:
+            out.append((key, f"must be in (0, {MAX_DRAFT_TEMPERATURE}], got {item}"))
+        elif key == "acceptance" and not all(_type_ok(v, float) for v in item.values()):
+            out.append((key, "expected numbers"))
+    return out
+
+
+def set_draft_temperature(path, measured: dict) -> dict:
+    """Store ``measured`` (see :func:`~specfoundry.runtime.calibrate.measure_draft_temperature`) as the
+    checkpoint's ``training.draft_temperature``, as :func:`set_runtime_shape` does."""
+    return _update_training(path, lambda training: training.update(draft_temperature=measured))
 
 
 def set_runtime_shape(path, shape: dict) -> dict:
