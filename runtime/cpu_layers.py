@@ -564,8 +564,9 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
     parents ``[nodes]`` (0 = root, else the kept node's number from 1) else None), or None when sampling
     met a row of non-finite scaled logits. With the ``root`` id: the draft as a
     :class:`~.tree.Draft`'s rows instead, ids ``[1, 1 + nodes]`` (the root first) and parents
-    ``[1, 1 + nodes]`` (-1, then a chain's or the tree's), made without a tensor op, and a fifth
-    entry: the same ids and parents as Python lists (:attr:`.tree.Draft.host`)."""
+    ``[1, 1 + nodes]`` (-1, then a chain's or the tree's), made without a tensor op, the draft
+    distributions ``[1 + depth, Vd]`` (the root's row zero), and a fifth entry: the same ids and
+    parents as Python lists (:attr:`.tree.Draft.host`)."""
     lib = _load()[0]
     if lib is None:
         raise RuntimeError(f"the layer kernel is unavailable: {unavailable_reason()}")
@@ -610,14 +611,17 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
     sampled = temperature > 0
     if sampled and (uniforms is None or uniforms.dtype != torch.float64 or uniforms.numel() < depth):
         raise ValueError(f"sampling needs {depth} fp64 uniforms")
-    qout = torch.empty(depth, Vd, dtype=torch.float32) if sampled else None
+    # with the root id, q as a Draft's rows: the root's row (zeros, unused) first
+    lead = int(root is not None)
+    qout = (torch.zeros if lead else torch.empty)(lead + depth, Vd, dtype=torch.float32) if sampled else None
     uq = uniforms.contiguous() if sampled else None
     status = lib.sf_eagle3_draft(
         n, ptr(feats), ptr(qids), F, w["fnw"].data_ptr(), w["fcw"].data_ptr(), depth, table.data_ptr(),
         w["inw"].data_ptr(), w["hnw"].data_ptr(), w["onw"].data_ptr(), w["lmw"].data_ptr(), Vd, ptr(w["d2t"]),
         w["emb"].data_ptr(), H, hq, hkv, D, intermediate, float(eps), float(scale), layer_kv.data_ptr(),
         layer_kv.stride(1), layer_kv.stride(3), past, cos.data_ptr(), sin.data_ptr(), h.data_ptr(), tokens,
-        wb, wf, lb, int(keep), float(temperature), ptr(uq), ptr(qout), top_k, budget, parents, ctypes.byref(nout))
+        wb, wf, lb, int(keep), float(temperature), ptr(uq), qout.data_ptr() + 4 * lead * Vd if sampled else None, top_k,
+        budget, parents, ctypes.byref(nout))
     if status == 2:
         return None
     cpu_attention.check(status)

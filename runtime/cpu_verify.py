@@ -111,14 +111,25 @@ static int64_t draw(const float *w, int64_t V, double u) {
     return pick;
 }
 
+/* q's value at target id t in row i: q spans the target vocabulary (qids NULL, Vq = V), or a draft
+   vocabulary whose column j is target id qids[j] (zero at every other id) */
+static inline float q_at(const float *q, const int64_t *qids, int64_t Vq, int i, int64_t t) {
+    const float *row = q + (int64_t)i * Vq;
+    if (!qids) return row[t];
+    for (int64_t j = 0; j < Vq; j++)
+        if (qids[j] == t) return row[j];
+    return 0.0f;
+}
+
 /* Verify a chain of k drafts x[0..k-1] (node i + 1 = x[i]) against logits rows 0..k (row i: the
-   target after node i, V entries, bf16 or fp32, row stride V); q: [k][V] the distributions the
-   drafts were drawn from (row i for x[i]; NULL: deterministic drafts, q(x) = 1 and a zero residual
-   elsewhere); u: k fp32 acceptance uniforms; uf: the fp64 uniform of the final draw. Writes the
-   accepted count and the next token; work: 2V floats. 0, or 1 when a needed row is not finite. */
+   target after node i, V entries, bf16 or fp32, row stride V); q: [k][Vq] the distributions the
+   drafts were drawn from (row i for x[i]; over the target vocabulary, or with qids over a draft
+   vocabulary, see q_at; NULL: deterministic drafts, q(x) = 1 and a zero residual elsewhere); u: k
+   fp32 acceptance uniforms; uf: the fp64 uniform of the final draw. Writes the accepted count and
+   the next token; work: 2V floats. 0, or 1 when a needed row is not finite. */
 int sf_verify_sampling_chain(const void *logits, int bf16, int64_t V, int k, float T, const int64_t *x,
-                             const float *q, const float *u, double uf, float *work, int64_t *accepted,
-                             int64_t *next) {
+                             const float *q, const int64_t *qids, int64_t Vq, const float *u, double uf,
+                             float *work, int64_t *accepted, int64_t *next) {
     size_t es = bf16 ? 2 : 4;
     float mx = 0, sum = 1;
     int j = 0;
@@ -126,7 +137,7 @@ int sf_verify_sampling_chain(const void *logits, int bf16, int64_t V, int k, flo
         const void *row = (const char *)logits + (size_t)j * V * es;
         if (stats(row, bf16, V, T, &mx, &sum)) return 1;
         if (j == k) break;
-        float px = prob(row, bf16, x[j], T, mx, sum), qx = q ? q[(int64_t)j * V + x[j]] : 1.0f;
+        float px = prob(row, bf16, x[j], T, mx, sum), qx = q ? q_at(q, qids, Vq, j, x[j]) : 1.0f;
         if (!(u[j] * qx < px)) break;  /* rejected: draw from the residual of row j */
     }
     probs_row((const char *)logits + (size_t)j * V * es, bf16, V, T, mx, sum, work);
@@ -136,10 +147,20 @@ int sf_verify_sampling_chain(const void *logits, int bf16, int64_t V, int k, flo
         for (int64_t i = 0; i < V; i += 16) {
             __mmask16 m = tailmask(V, i);
             __m512 d = _mm512_maskz_loadu_ps(m, work + i);
-            if (q) d = _mm512_sub_ps(d, _mm512_maskz_loadu_ps(m, q + (int64_t)j * V + i));
+            if (q && !qids) d = _mm512_sub_ps(d, _mm512_maskz_loadu_ps(m, q + (int64_t)j * V + i));
             d = _mm512_max_ps(d, _mm512_setzero_ps());
             _mm512_mask_storeu_ps(r + i, m, d);
             any |= _mm512_mask_cmp_ps_mask(m, d, _mm512_setzero_ps(), _CMP_GT_OQ);
+        }
+        if (q && qids) {  /* q over a draft vocabulary: subtract it at its ids only (p - 0 = p elsewhere) */
+            const float *qr = q + (int64_t)j * Vq;
+            for (int64_t t = 0; t < Vq; t++) {
+                float d = work[qids[t]] - qr[t];
+                r[qids[t]] = d > 0.0f ? d : 0.0f;
+            }
+            any = 0;
+            for (int64_t i = 0; i < V && !any; i += 16)
+                any = _mm512_mask_cmp_ps_mask(tailmask(V, i), _mm512_maskz_loadu_ps(tailmask(V, i), r + i), _mm512_setzero_ps(), _CMP_GT_OQ);
         }
         if (!q) {  /* a deterministic draft: q is one at x */
             r[x[j]] = 0.0f;
@@ -161,7 +182,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     # exp512 (and the headers) come with the attention kernels' source
     built = build("sfverify", cpu_attention._SOURCE_DECODE + _SOURCE,
-                  {"sf_verify_sampling_chain": [p, i32, i64, i32, ctypes.c_float, p, p, p, ctypes.c_double, p, p, p]},
+                  {"sf_verify_sampling_chain": [p, i32, i64, i32, ctypes.c_float, p, p, p, i64, p, ctypes.c_double, p, p, p]},
                   isa=AVX512_BF16)
     return cpu_attention._returning_int(built, "sf_verify_sampling_chain")
 
@@ -171,28 +192,33 @@ def available() -> bool:
 
 
 def sampling_chain(tokens: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, temperature: float,
-                   generator: torch.Generator | None) -> tuple[int, int] | None:
+                   generator: torch.Generator | None, q_ids: torch.Tensor | None = None) -> tuple[int, int] | None:
     """Rejection sampling along a chain of one sequence: ``tokens`` ``[N]`` (root first), ``q``
     ``[N, V]`` fp32 (row ``i`` the distribution node ``i`` was drawn from; None: deterministic drafts),
-    raw target ``logits`` ``[N, V]`` (bf16 or fp32, CPU). Draws the acceptance uniforms and then
-    the final one from ``generator`` as :func:`~.verify.verify_sampling_chain` does. Returns
-    (accepted drafts, next token), or None where this does not apply (the generator then as it was)."""
+    or ``[N, Vq]`` over a draft vocabulary whose column ``j`` is target id ``q_ids[j]`` (long ``[Vq]``;
+    zero at every other id: ``Draft.q_ids``), raw target ``logits`` ``[N, V]`` (bf16 or fp32, CPU).
+    Draws the acceptance uniforms and then the final one from ``generator`` as
+    :func:`~.verify.verify_sampling_chain` does. Returns (accepted drafts, next token), or None where
+    this does not apply (the generator then as it was)."""
     lib = _load()[0]
     N, V = logits.shape
+    Vq = V if q_ids is None else q_ids.shape[0]
     if lib is None or logits.device.type != "cpu" or logits.dtype not in (torch.bfloat16, torch.float32) \
-            or (q is not None and (q.dtype != torch.float32 or q.shape != (N, V))) or not temperature > 0:
+            or (q is not None and (q.dtype != torch.float32 or q.shape != (N, Vq))) or not temperature > 0 \
+            or (q_ids is not None and (q_ids.dtype != torch.long or q_ids.device.type != "cpu")):
         return None
     logits = logits.contiguous()
     k = N - 1
     x = tokens[1:].to(torch.long).contiguous() if k else None  # a plain step: no drafts to read
     qd = None if q is None else q[1:].contiguous()
+    ids = None if q is None or q_ids is None else q_ids.contiguous()
     state = generator.get_state() if generator is not None else torch.random.get_rng_state()
     u = torch.rand(k, 1, generator=generator, dtype=torch.float32).view(k) if k else torch.empty(0)
     uf = float(torch.rand(1, 1, generator=generator, dtype=torch.float64))
     work = torch.empty(2 * V, dtype=torch.float32)
     acc, nxt = ctypes.c_int64(), ctypes.c_int64()
     status = lib.sf_verify_sampling_chain(logits.data_ptr(), int(logits.dtype == torch.bfloat16), V, k,
-                                          float(temperature), ptr(x), ptr(qd), u.data_ptr(), uf, work.data_ptr(),
+                                          float(temperature), ptr(x), ptr(qd), ptr(ids), Vq, u.data_ptr(), uf, work.data_ptr(),
                                           ctypes.byref(acc), ctypes.byref(nxt))
     if status:  # a needed row is not finite: give the random numbers back, PyTorch's path handles it
         if generator is not None:

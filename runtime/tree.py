@@ -25,6 +25,10 @@ class Draft:
              drawn from, given its earlier siblings (for sampling without replacement it is the
              parent's draft distribution with earlier siblings zeroed and renormalised).
              ``None`` means deterministic proposals (a one-hot at each token); ``q[:, 0]`` is unused.
+    q_ids:   ``[Vq]`` long or None: ``q``'s last dimension spans a draft vocabulary, column ``j`` the
+             target id ``q_ids[j]`` (``q`` is zero at every other id; :meth:`target_q` spreads it out).
+             Why: a head's 2k-entry draft vocabulary spread over a 49k target vocabulary is ~0.6 MB of
+             zeros written per sampled step, where the C verifier reads the draft vocabulary's entries only.
     host:    one sequence's ``(tokens, parents)`` as Python lists, when its drafter had them without a
              tensor op (or after :meth:`lists` read them): the generator's bookkeeping reads these.
     """
@@ -33,12 +37,16 @@ class Draft:
     parents: torch.Tensor
     q: torch.Tensor | None = None
     host: tuple[list[int], list[int]] | None = field(default=None, repr=False, compare=False)
+    q_ids: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if self.tokens.shape != self.parents.shape or self.tokens.dim() != 2:
             raise ValueError(f"tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} must both be [B, N]")
         if self.q is not None and self.q.shape[:2] != self.tokens.shape:
             raise ValueError(f"q {tuple(self.q.shape)} must be [B, N, V] with [B, N] = {tuple(self.tokens.shape)}")
+        if self.q_ids is not None and (self.q is None or self.q_ids.dim() != 1 or self.q.shape[-1] != self.q_ids.shape[0]):
+            raise ValueError(f"q_ids {tuple(self.q_ids.shape)} must be [Vq] for q [B, N, Vq], got q "
+                             f"{None if self.q is None else tuple(self.q.shape)}")
         if self.host is not None and (self.tokens.shape[0] != 1 or len(self.host[0]) != self.tokens.shape[1]
                                       or len(self.host[1]) != self.tokens.shape[1]):
             raise ValueError(f"host lists of {len(self.host[0])} / {len(self.host[1])} entries for tokens "
@@ -54,6 +62,12 @@ class Draft:
                 raise ValueError(f"lists() is for one sequence, got a batch of {self.tokens.shape[0]}")
             self.host = (self.tokens[0].tolist(), self.parents[0].tolist())
         return self.host
+
+    def target_q(self, vocab_size: int) -> torch.Tensor | None:
+        """``q`` over the target vocabulary ``[B, N, vocab_size]`` (zero outside a draft vocabulary)."""
+        if self.q is None or self.q_ids is None:
+            return self.q
+        return self.q.new_zeros(*self.q.shape[:2], vocab_size).index_copy_(2, self.q_ids.to(self.q.device), self.q)
 
     @property
     def num_nodes(self) -> int:

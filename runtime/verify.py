@@ -115,10 +115,17 @@ def _path(parents: torch.Tensor, depths: torch.Tensor, node: torch.Tensor, max_d
     return torch.where(col <= d, out, torch.full_like(out, -1))
 
 
+def _over_target_vocab(draft: Draft, V: int) -> Draft:
+    """``draft`` with ``q`` over the target vocabulary (the PyTorch verifiers gather from it by target id)."""
+    if draft.q_ids is None:
+        return draft
+    return Draft(draft.tokens, draft.parents, draft.target_q(V), host=draft.host)
+
+
 def _check(draft: Draft, scores: torch.Tensor) -> None:
     if scores.dim() != 3 or scores.shape[:2] != draft.tokens.shape:
         raise ValueError(f"target scores {tuple(scores.shape)} must be [B, N, V] with [B, N] = {tuple(draft.tokens.shape)}")
-    if draft.q is not None and draft.q.shape[-1] != scores.shape[-1]:
+    if draft.q is not None and draft.q_ids is None and draft.q.shape[-1] != scores.shape[-1]:
         raise ValueError(f"draft.q vocab {draft.q.shape[-1]} != target vocab {scores.shape[-1]}")
 
 
@@ -173,6 +180,7 @@ def verify_sampling_chain(draft: Draft, target_probs: torch.Tensor,
     exactly for a given generator state).
     """
     _check(draft, target_probs)
+    draft = _over_target_vocab(draft, target_probs.shape[-1])
     B, N = draft.tokens.shape
     k, V = N - 1, target_probs.shape[-1]
     p = target_probs
@@ -210,6 +218,7 @@ def verify_sampling_tree(draft: Draft, target_probs: torch.Tensor,
     distribution ``x`` was really drawn from given the earlier siblings (see ``Draft.q``).
     """
     _check(draft, target_probs)
+    draft = _over_target_vocab(draft, target_probs.shape[-1])
     B, N = draft.tokens.shape
     dtype, dev = target_probs.dtype, target_probs.device
     children = _children_table(draft.parents)
@@ -261,7 +270,7 @@ def _sampling_chain_in_c(draft: Draft, target_logits: torch.Tensor, sampling: Sa
     """:func:`verify_sampling_chain` of one sequence with temperature-only sampling in one C call
     (:mod:`.cpu_verify`: the same rule and random numbers, ~0.8 -> ~0.1 ms per step), or None."""
     q = None if draft.q is None else draft.q[0]
-    out = cpu_verify.sampling_chain(draft.tokens[0], q, target_logits[0], sampling.temperature, generator)
+    out = cpu_verify.sampling_chain(draft.tokens[0], q, target_logits[0], sampling.temperature, generator, draft.q_ids)
     if out is None:
         return None
     accepted, nxt = out

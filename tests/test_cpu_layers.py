@@ -245,7 +245,8 @@ def _drafts_and_outputs(target, drafter, prompts, lookup: bool = False, temperat
         tokens, parents = draft.tokens.tolist()[0], draft.parents.tolist()[0]
         # host lists a drafter attaches (the C call's, the lookup's) are its tensors' values
         assert draft.host is None or draft.host == (tokens, parents)
-        proposed.append((tokens, parents, draft.q, draft.host is not None))
+        # (the one-call drafting's q spans the draft vocabulary: compared over the target's)
+        proposed.append((tokens, parents, draft.target_q(target.vocab_size), draft.host is not None))
         return draft
 
     drafter.propose = propose

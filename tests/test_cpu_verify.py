@@ -49,6 +49,18 @@ def test_the_c_verifier_decides_what_the_pytorch_verifier_decides(dtype, determi
         # and through verify(), which takes this path for one chain
         res = verify(draft, logits.unsqueeze(0), params, torch.Generator().manual_seed(100 + i))
         assert (int(res.accept_len), int(res.next_token)) == got and torch.equal(res.path, want.path)
+        if q is not None:  # q over the draft vocabulary only (Draft.q_ids): the same decisions, in C and PyTorch
+            vocab = (q[1:] > 0).any(0).nonzero().view(-1)
+            vocab = vocab[torch.randperm(vocab.numel(), generator=torch.Generator().manual_seed(i))]  # any column order
+            assert cpu_verify.sampling_chain(tokens, q[:, vocab], logits, temperature, torch.Generator().manual_seed(100 + i),
+                                             vocab) == got
+            compact = Draft(draft.tokens, draft.parents, q[:, vocab].unsqueeze(0), q_ids=vocab)
+            assert torch.equal(compact.target_q(V), draft.q)
+            res = verify(compact, logits.unsqueeze(0), params, torch.Generator().manual_seed(100 + i))
+            assert (int(res.accept_len), int(res.next_token)) == got
+            res = verify_sampling_chain(compact, probs_from_logits(logits.unsqueeze(0), params),
+                                        torch.Generator().manual_seed(100 + i))
+            assert (int(res.accept_len), int(res.next_token)) == (int(want.accept_len), int(want.next_token))
     assert len(seen) >= 3  # rejections at several depths and full acceptances were exercised
 
 

@@ -581,7 +581,8 @@ class Eagle3Head(_EagleBase):
         nodes instead of a chain (the drafter's ``_grow_greedy``, the same drafts). Returns (target ids,
         the new root hidden ``[1, H]``, the draft distributions ``[depth, Vd]`` or None when greedy, the
         tree's parents (0 = root) or None for a chain; with the ``root`` id, the ids and parents as a
-        :class:`~..tree.Draft`'s ``[1, 1 + nodes]`` rows, root first, and a fifth entry: their host lists), or None where it does not run (not the AVX-512
+        :class:`~..tree.Draft`'s ``[1, 1 + nodes]`` rows, root first, the distributions ``[1 + depth, Vd]``
+        with the root's (zero) row first, and a fifth entry: their host lists), or None where it does not run (not the AVX-512
         BF16 kernels, another dtype, more than ``cpu_layers.MAX_TOKENS`` queued pairs or ``top_k``,
         non-finite scaled logits): the caller takes the step-by-step path, with the cache and the
         generator as they were. ``plan``: :meth:`draft_plan` as the caller took it for this request
