@@ -64,7 +64,12 @@ def _check_run(run: Path, target_dir):
     # the choice is stored; under the controller when it did not beat plain decoding
     assert shape_label(shape) == (chosen if shape["speedups"][chosen] >= 1.0 or chosen == "adaptive"
                                   else f"adaptive (up to {chosen})")
+    # and on the same prompts the scale of a sampling request's temperature its drafts are drawn at
+    calibrated = cfg["training"]["draft_temperature"]
+    assert summary["draft_temperature"] == calibrated and calibrated["prompts"] == 2 and calibrated["positions"] > 0
+    assert calibrated["temperatures"] == [0.7, 1.0]
     target = load_target(str(target_dir))
+    assert load_drafter(str(run / "speculator"), target=target).draft_temperature == calibrated["scale"]
     gen = SpeculativeGenerator(target, load_drafter(str(run / "speculator"), target=target), adaptive=False)
     spec = gen.generate(prompt="Hello there", max_new_tokens=12, stop_at_eos=False)
     plain = gen.generate(prompt="Hello there", max_new_tokens=12, stop_at_eos=False, speculate=False)
