@@ -126,7 +126,8 @@ static inline float q_at(const float *q, const int64_t *qids, int64_t Vq, int i,
    drafts were drawn from (row i for x[i]; over the target vocabulary, or with qids over a draft
    vocabulary, see q_at; NULL: deterministic drafts, q(x) = 1 and a zero residual elsewhere); u: k
    fp32 acceptance uniforms; uf: the fp64 uniform of the final draw. Writes the accepted count and
-   the next token; work: 2V floats. 0, or 1 when a needed row is not finite. */
+   the next token; work: 2V floats. 0, or 1 when a needed row is not finite or a qids entry is not a
+   target id. */
 int sf_verify_sampling_chain(const void *logits, int bf16, int64_t V, int k, float T, const int64_t *x,
                              const float *q, const int64_t *qids, int64_t Vq, const float *u, double uf,
                              float *work, int64_t *accepted, int64_t *next) {
@@ -154,6 +155,8 @@ int sf_verify_sampling_chain(const void *logits, int bf16, int64_t V, int k, flo
         }
         if (q && qids) {  /* q over a draft vocabulary: subtract it at its ids only (p - 0 = p elsewhere) */
             const float *qr = q + (int64_t)j * Vq;
+            for (int64_t t = 0; t < Vq; t++)
+                if (qids[t] < 0 || qids[t] >= V) return 1;  /* not target ids: the PyTorch path says so */
             for (int64_t t = 0; t < Vq; t++) {
                 float d = work[qids[t]] - qr[t];
                 r[qids[t]] = d > 0.0f ? d : 0.0f;

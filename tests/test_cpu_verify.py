@@ -64,6 +64,23 @@ def test_the_c_verifier_decides_what_the_pytorch_verifier_decides(dtype, determi
     assert len(seen) >= 3  # rejections at several depths and full acceptances were exercised
 
 
+def test_draft_vocabulary_ids_outside_the_target_vocabulary_are_refused():
+    """q over a draft vocabulary whose ids are not all target ids: a rejected draft (where the C sampler
+    writes the residual at those ids) is handed back, generator untouched, and the PyTorch path refuses it."""
+    logits = torch.randn(2, 50)
+    logits[0, 3] = -40.0  # the draft (token 3) is rejected
+    q = torch.softmax(torch.randn(2, 4), -1)
+    tokens = torch.tensor([0, 3])
+    gen = torch.Generator().manual_seed(0)
+    before = gen.get_state()
+    assert cpu_verify.sampling_chain(tokens, q, logits, 1.0, gen, torch.tensor([3, 7, 50, 9])) is None  # 50: past V
+    assert torch.equal(gen.get_state(), before)
+    assert cpu_verify.sampling_chain(tokens, q, logits, 1.0, gen, torch.tensor([3, 7, 49, 9]))[0] == 0
+    draft = Draft(tokens.view(1, 2), torch.tensor([[-1, 0]]), q.unsqueeze(0), q_ids=torch.tensor([3, 7, 50, 9]))
+    with pytest.raises(IndexError):
+        verify(draft, logits.unsqueeze(0), SamplingParams(1.0), torch.Generator().manual_seed(0))
+
+
 def test_non_finite_logits_go_back_to_pytorch_with_the_generator_untouched():
     logits = torch.randn(3, 50)
     q = torch.zeros(3, 50)
