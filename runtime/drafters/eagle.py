@@ -12,7 +12,8 @@ the committed length before returning. Where the head has ``fused_draft`` (EAGLE
 BF16 kernels, at most ``cpu_layers.MAX_TOKENS`` queued pairs) the queue runs in one C call, with the
 proposal in the same call: a chain (greedy, or sampled with a plain temperature) or a greedy tree
 (top-k up to ``MAX_C_TOP_K``): the same drafts as the step-by-step search below, without ~0.5 ms of
-Python per step. Trees rank by the C log-probabilities where the head's logits are bf16, with equal
+Python per step (a longer queue, a prompt's pairs, runs step by step and the proposal then takes the C
+call alone). Trees rank by the C log-probabilities where the head's logits are bf16, with equal
 scores in index order (:func:`topk_first`), so both searches keep the same nodes.
 
 Chains (a node budget equal to the depth): the argmax (greedy) or one draw from ``q`` (sampling)
@@ -227,8 +228,9 @@ class EagleDrafter(Drafter):
         """Run the queued pairs (the new root's head output becomes ``_root_hidden``). ``chain`` > 0:
         also draft a chain of that depth (greedy, or sampled with ``ctx``'s temperature), or with
         ``top_k`` > 0 a greedy tree of that depth and at most ``budget`` nodes, where the head does
-        both in one call (``fused_draft``): (the draft's ids ``[1, N]`` root first, the draft
-        distributions ``[chain, Vd]`` or None, its parents ``[1, N]``); None otherwise (the caller drafts)."""
+        both in one call (``fused_draft``; a queue longer than that call takes runs step by step first, then
+        the call drafts from its output): (the draft's ids ``[1, N]`` root first, the draft distributions
+        or None, its parents ``[1, N]``); None otherwise (the caller drafts)."""
         ids, features = _joined(self._queue_ids), _joined(self._queue_features)
         if self._plan is False:  # the head's one-call drafting, checked once per request
             plan = getattr(self.head, "draft_plan", None) if self._static else None
@@ -239,18 +241,22 @@ class EagleDrafter(Drafter):
                                   None if ctx is None else ctx.generator, top_k, budget,
                                   ctx.root() if chain else None, self._plan)
         self._queue_ids, self._queue_features = [], []
+        if done is None and ids is not None:
+            hidden = self.head.fuse_features(features)
+            if self._static:
+                out = self.head.step(ids, hidden, self.cache)  # causal over the committed pairs
+            else:
+                out = self.head(ids, hidden, cache=self.cache)
+            self.cache.commit()
+            self._root_hidden = out[:, -1]
+            if chain and self._plan is not None:
+                # a queue longer than the C call takes (a prompt's pairs) ran above: the draft itself still
+                # takes the C call from its output (the Python tree search cost ~4 ms per request)
+                done = self.head.fused_draft(None, None, self._root_hidden, chain, self.cache, temperature,
+                                             ctx.generator, top_k, budget, ctx.root(), self._plan)
         if done is not None:
             drafts, self._root_hidden, q, parents, *host = done  # host lists: with a root id only
             return (drafts, q, parents, host[0] if host else None) if chain else None
-        if ids is None:
-            return None
-        hidden = self.head.fuse_features(features)
-        if self._static:
-            out = self.head.step(ids, hidden, self.cache)  # causal over the committed pairs
-        else:
-            out = self.head(ids, hidden, cache=self.cache)
-        self.cache.commit()
-        self._root_hidden = out[:, -1]
         return None
 
     # -- tree search ---------------------------------------------------------------------
