@@ -50,6 +50,17 @@ _LAYER = r"""
 #else
 #define TGEMV(amx, x, w, b, y, n, in, out, keep) sf_gemv_dpbf16(x, w, b, y, n, in, out, keep)
 #endif
+/* a layer's products: int8 weights (q8, a speculator head's: cpu_gemv's sf_gemv_q8) or TGEMV's; returns
+   1 from the caller when the int8 product's work buffer could not be allocated */
+#define LGEMV(q8, amx, x, w, b, y, n, in, out, keep) \
+    do { if (q8) { if (sf_gemv_q8(x, (const uint8_t *)(w), b, y, n, in, out, keep)) return 1; } \
+         else TGEMV(amx, x, w, b, y, n, in, out, keep); } while (0)
+/* a head's fc and lm-head products (int8 when q8): 0, or 1 when the int8 product's buffer failed */
+static inline int hgemv(int q8, const uint16_t *x, const uint16_t *w, uint16_t *y, int n, int in, int out, int keep) {
+    if (q8) return sf_gemv_q8(x, (const uint8_t *)w, 0, y, n, in, out, keep);
+    sf_gemv_dpbf16(x, w, 0, y, n, in, out, keep);
+    return 0;
+}
 static inline __m512 ld16(const uint16_t *p) { return wid(_mm256_loadu_si256((const __m256i *)p)); }
 static inline void st16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
 static inline __m512 rnd(__m512 v) { return wid((__m256i)_mm512_cvtneps_pbh(v)); }  /* to bf16 and back */
@@ -112,9 +123,10 @@ static inline __m512 rope16(const uint16_t *h, const uint16_t *c, const uint16_t
     return rnd(_mm512_add_ps(rnd(_mm512_mul_ps(x, ld16(c + d))), rnd(_mm512_mul_ps(r, ld16(s + d)))));
 }
 
-/* n new tokens of one sequence through L layers. Weights per layer (wp[l * 7 + j]): input norm
+/* n new tokens of one sequence through L layers. Weights per layer (wp[l * 8 + j]): input norm
    (0: xin is the attention input, l == 0 only), Wqkv [(hq + 2 hkv) D, in], its bias or 0, Wo [H, hq D],
-   post-attention norm, Wgu [2I, H], Wdown [H, I]. x [n, H] the residual stream (updated in place);
+   post-attention norm, Wgu [2I, H], Wdown [H, I], then 1 when the four matrices are int8 (sf_gemv_q8's
+   layout), else 0. x [n, H] the residual stream (updated in place);
    cos/sin [n, D]; K of layer l, head h at kv + l * s_layer + h * s_head ([cap, D] rows), V s_kv
    further; the new tokens' entries written at past..past+n-1; blk [n][n] (uint8) which new
    columns each token sees, 0 = causal (bw > 0: blk [n][bw] over the last bw columns, earlier drafts
@@ -134,7 +146,8 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
     float *qf = wf, *of = qf + (int64_t)n * hq * D;
     int32_t lens = past, counts = n, first = 0;
     for (int l = 0; l < L; l++) {
-        const int64_t *p = wp + (int64_t)l * 7;
+        const int64_t *p = wp + (int64_t)l * 8;
+        int q8 = (int)p[7];
         for (int f = 0; f < nf; f++)
             if (fl[f] == l)
                 for (int t = 0; t < n; t++)
@@ -142,7 +155,7 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
         const uint16_t *ain = xin;
         int k_in = in_dim;
         if (p[0]) { norm_rows(x, (const uint16_t *)p[0], h, n, H, eps); ain = h; k_in = H; }
-        TGEMV(amx, ain, (const uint16_t *)p[1], (const uint16_t *)p[2], qkv, n, k_in, nqkv, keep);
+        LGEMV(q8, amx, ain, (const uint16_t *)p[1], (const uint16_t *)p[2], qkv, n, k_in, nqkv, keep);
         uint16_t *K = kv + l * s_layer, *V = K + s_kv;
         for (int t = 0; t < n; t++) {
             const uint16_t *row = qkv + (int64_t)t * nqkv, *c = cs + (int64_t)t * D, *s = sn + (int64_t)t * D;
@@ -166,10 +179,10 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
                       Kt, t_head, amx))
             return 1;
         for (int64_t i = 0; i < (int64_t)n * hq * D; i += 16) st16(ao + i, _mm512_loadu_ps(of + i));
-        TGEMV(amx, ao, (const uint16_t *)p[3], 0, o, n, hq * D, H, keep);
+        LGEMV(q8, amx, ao, (const uint16_t *)p[3], 0, o, n, hq * D, H, keep);
         for (int64_t i = 0; i < (int64_t)n * H; i += 16) st16(x + i, _mm512_add_ps(ld16(x + i), ld16(o + i)));
         norm_rows(x, (const uint16_t *)p[4], h, n, H, eps);
-        TGEMV(amx, h, (const uint16_t *)p[5], 0, gu, n, H, 2 * I, keep);
+        LGEMV(q8, amx, h, (const uint16_t *)p[5], 0, gu, n, H, 2 * I, keep);
         for (int t = 0; t < n; t++)
             for (int i = 0; i < I; i += 16) {
                 __m512 g = ld16(gu + (int64_t)t * 2 * I + i), u = ld16(gu + (int64_t)t * 2 * I + I + i);
@@ -179,7 +192,7 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
                 __m512 sig = _mm512_mask_mul_ps(inv, neg, inv, e);  /* sigmoid: 1/(1+e) or e/(1+e) */
                 st16(m + (int64_t)t * I + i, _mm512_mul_ps(rnd(_mm512_mul_ps(g, sig)), u));
             }
-        TGEMV(amx, m, (const uint16_t *)p[6], 0, o, n, I, H, keep);
+        LGEMV(q8, amx, m, (const uint16_t *)p[6], 0, o, n, I, H, keep);
         for (int64_t i = 0; i < (int64_t)n * H; i += 16) st16(x + i, _mm512_add_ps(ld16(x + i), ld16(o + i)));
     }
     return 0;
@@ -229,7 +242,7 @@ static int eagle3_tree(int depth, int k, int budget, const uint16_t *h, const in
                        const uint16_t *hnw, const uint16_t *onw, const uint16_t *lmw, int Vd, const int64_t *d2t,
                        const uint16_t *emb, int H, int hq, int hkv, int D, int I, float eps, float scale, uint16_t *kv,
                        int64_t s_kv, int64_t s_head, int past, const uint16_t *cs, const uint16_t *sn, int64_t *tokens,
-                       int64_t *parents, uint16_t *wb, float *wf, uint16_t *lb, int keep) {
+                       int64_t *parents, uint16_t *wb, float *wf, uint16_t *lb, int keep, int q8) {
     int M = k + (depth - 1) * k * k, Smax = (depth - 1) * k + 1;
     uint16_t *fh = lb, *xs = fh + (int64_t)k * H, *xin = xs + (int64_t)k * H, *hn = xin + (int64_t)k * 2 * H;
     uint16_t *lgt = hn + (int64_t)k * H, *csb = lgt + (int64_t)k * Vd, *snb = csb + (int64_t)k * D;
@@ -247,7 +260,7 @@ static int eagle3_tree(int depth, int k, int budget, const uint16_t *h, const in
     fidx[0] = 0; fscore[0] = 0.0f;
     for (int d = 1; d <= depth; d++) {
         norm_rows(fh, onw, hn, m, H, eps);
-        sf_gemv_dpbf16(hn, lmw, 0, lgt, m, H, Vd, keep);
+        if (hgemv(q8, hn, lmw, lgt, m, H, Vd, keep)) goto done;
         int first = nc;
         for (int r = 0; r < m; r++) {
             log_softmax_row(lgt + (int64_t)r * Vd, Vd, lp);
@@ -319,20 +332,21 @@ done:
    distribution softmax(logits / temp), written to qout [depth][Vd] for the verifier; 2 when a
    row's scaled logits are not finite (nothing committed: the caller takes its PyTorch path).
    tk > 0: instead of a chain, EAGLE-2's greedy tree (eagle3_tree: top-k tk, at most budget nodes),
-   its kept nodes' tokens and parents written, their count to nout. */
+   its kept nodes' tokens and parents written, their count to nout. q8: fcw and lmw are int8 (sf_gemv_q8's
+   layout; the layer's format is its table row's). */
 int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, const uint16_t *fnw,
                     const uint16_t *fcw, int depth, const int64_t *wp, const uint16_t *inw, const uint16_t *hnw,
                     const uint16_t *onw, const uint16_t *lmw, int Vd, const int64_t *d2t, const uint16_t *emb,
                     int H, int hq, int hkv, int D, int I, float eps, float scale, uint16_t *kv, int64_t s_kv,
                     int64_t s_head, int past, const uint16_t *cs, const uint16_t *sn, uint16_t *h, int64_t *tokens,
                     uint16_t *wb, float *wf, uint16_t *lb, int keep, float temp, const double *uq, float *qout,
-                    int tk, int budget, int64_t *parents, int *nout) {
+                    int tk, int budget, int64_t *parents, int *nout, int q8) {
     int rows = n > 0 ? n : 1;
     uint16_t *nfeat = lb, *x = nfeat + (int64_t)n * F * H, *xin = x + (int64_t)n * H;
     uint16_t *hn = xin + (int64_t)rows * 2 * H, *logits = hn + H;
     if (n > 0) {
         for (int64_t r = 0; r < (int64_t)n * F; r++) norm_rows(feats + r * H, fnw + (r % F) * H, nfeat + r * H, 1, H, eps);
-        sf_gemv_dpbf16(nfeat, fcw, 0, x, n, F * H, H, keep);
+        if (hgemv(q8, nfeat, fcw, x, n, F * H, H, keep)) return 1;
         for (int t = 0; t < n; t++) {
             norm_rows(emb + qids[t] * H, inw, xin + (int64_t)t * 2 * H, 1, H, eps);
             norm_rows(x + (int64_t)t * H, hnw, xin + (int64_t)t * 2 * H + H, 1, H, eps);
@@ -345,12 +359,12 @@ int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, co
     }
     if (tk > 0 && depth > 0) {  /* a greedy tree (the queue's work buffers are reused) */
         *nout = eagle3_tree(depth, tk, budget, h, wp, inw, hnw, onw, lmw, Vd, d2t, emb, H, hq, hkv, D, I, eps, scale,
-                            kv, s_kv, s_head, past, cs, sn, tokens, parents, wb, wf, lb, keep);
+                            kv, s_kv, s_head, past, cs, sn, tokens, parents, wb, wf, lb, keep, q8);
         return *nout < 0;
     }
     for (int d = 0; d < depth; d++) {
         norm_rows(h, onw, hn, 1, H, eps);
-        sf_gemv_dpbf16(hn, lmw, 0, logits, 1, H, Vd, keep);
+        if (hgemv(q8, hn, lmw, logits, 1, H, Vd, keep)) return 1;
         int64_t a;
         if (temp > 0) {  /* sampling: q = softmax(logits / temp) (kept for the verifier), one draw by uq[d] */
             float mx, sum, *qr = qout + (int64_t)d * Vd;
@@ -391,7 +405,7 @@ def _built(amx: bool) -> tuple[ctypes.CDLL | None, str | None]:
     args = [i32] * 7 + [f32, f32, p, p, i32, p, p, p, p, i64, i64, i64, i32, p, p, i32, p, p, p, i32, i32] \
         + [p, i64, i64, i32, i32]
     draft = [i32, p, p, i32, p, p, i32, p, p, p, p, p, i32, p, p] + [i32] * 5 + [f32, f32, p, i64, i64, i32] + [p] * 7 \
-        + [i32, f32, p, p, i32, i32, p, p]
+        + [i32, f32, p, p, i32, i32, p, p, i32]
     fns = {"sf_layers": args, "sf_rms_norm": [p, p, p, i64, i32, f32, i32], "sf_argmax_bf16": [p, i64, i64, p],
            "sf_eagle3_draft": draft, "sf_log_softmax_bf16": [p, i64, i64, p]}
     lib, why = cpu_attention._returning_int(build("sflayersamx" if amx else "sflayers", source, fns,
@@ -460,17 +474,21 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor | None:
     return _per_row(x, "sf_log_softmax_bf16", torch.empty(x.shape, dtype=torch.float32))
 
 
-def layer_table(layers: list[dict]) -> torch.Tensor:
-    """The C side's weight table ``[L, 7]`` (addresses) of layer dicts with keys ``ln1`` (or None),
-    ``wqkv``, ``bqkv`` (or None), ``wo``, ``ln2``, ``w_gu``, ``w_down`` (contiguous bf16 tensors). The
+def layer_table(layers: list[dict], q8: bool = False) -> torch.Tensor:
+    """The C side's weight table ``[L, 8]`` (addresses) of layer dicts with keys ``ln1`` (or None),
+    ``wqkv``, ``bqkv`` (or None), ``wo``, ``ln2``, ``w_gu``, ``w_down`` (contiguous bf16 tensors; with
+    ``q8`` the four matrices are :func:`.cpu_gemv.q8_pack` int8 weights), and the format flag. The
     caller keeps the tensors alive as long as the table."""
     keys = ("ln1", "wqkv", "bqkv", "wo", "ln2", "w_gu", "w_down")
     for w in layers:
         for k in keys:
             t = w[k]
-            if t is not None and (t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device.type != "cpu"):
-                raise ValueError(f"layer weight {k} must be a contiguous CPU bf16 tensor, got {t.dtype} {tuple(t.shape)}")
-    return torch.tensor([[0 if w[k] is None else w[k].data_ptr() for k in keys] for w in layers], dtype=torch.int64)
+            want = torch.uint8 if q8 and k in ("wqkv", "wo", "w_gu", "w_down") else torch.bfloat16
+            if t is not None and (t.dtype != want or not t.is_contiguous() or t.device.type != "cpu"):
+                name = "int8 (q8_pack)" if want == torch.uint8 else "bf16"
+                raise ValueError(f"layer weight {k} must be a contiguous CPU {name} tensor, got {t.dtype} {tuple(t.shape)}")
+    return torch.tensor([[0 if w[k] is None else w[k].data_ptr() for k in keys] + [int(q8)] for w in layers],
+                        dtype=torch.int64)
 
 
 @functools.lru_cache(maxsize=64)
@@ -549,7 +567,8 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
     norms, ``fc`` and the head's layer (their K/V written at ``past``), then a chain of ``depth``
     drafts (or a tree, below) from the last output (or from ``hidden`` ``[H]`` when nothing is queued).
     ``table``: the head layer's :func:`layer_table`; ``w``: bf16 ``fnw`` ``[F, H]``, ``fcw``, ``inw``,
-    ``hnw``, ``onw`` (input, hidden and output norms), ``lmw`` ``[Vd, H]``, ``emb`` ``[V, H]``, and
+    ``hnw``, ``onw`` (input, hidden and output norms), ``lmw`` ``[Vd, H]`` (``fcw`` and ``lmw`` both
+    bf16 or both :func:`.cpu_gemv.q8_pack` int8, as the table's layer may be), ``emb`` ``[V, H]``, and
     ``d2t`` (long ``[Vd]`` or None); ``cos``/``sin`` ``[n + max(depth - 1, 0), D]`` from position ``past``.
     The drafts' K/V are written after the queued pairs' and left uncommitted. ``keep``: as in
     :func:`run_layers` (default off: the head's weights, read every step, are prefetched ahead like the
@@ -575,6 +594,9 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
     n = 0 if ids is None else ids.numel()
     F, H = w["fnw"].shape
     Vd = w["lmw"].shape[0]
+    q8 = w["lmw"].dtype == torch.uint8  # int8 weights (cpu_gemv.q8_pack), fc's and the lm head's alike
+    if (w["fcw"].dtype == torch.uint8) != q8:
+        raise ValueError("eagle3_draft takes fcw and lmw both bf16 or both int8 (q8_pack)")
     if n > MAX_TOKENS or (n == 0 and hidden is None) or (n and tuple(features.shape) != (n, F, H)):
         raise ValueError(f"eagle3_draft takes 1-{MAX_TOKENS} queued pairs with [n, {F}, {H}] features, or a hidden state")
     steps = n + max(depth - 1, 0)  # positions: the queued pairs, every depth but the last
@@ -621,7 +643,7 @@ def eagle3_draft(table: torch.Tensor, w: dict, features: torch.Tensor | None, id
         w["emb"].data_ptr(), H, hq, hkv, D, intermediate, float(eps), float(scale), layer_kv.data_ptr(),
         layer_kv.stride(1), layer_kv.stride(3), past, cos.data_ptr(), sin.data_ptr(), h.data_ptr(), tokens,
         wb, wf, lb, int(keep), float(temperature), ptr(uq), qout.data_ptr() + 4 * lead * Vd if sampled else None, top_k,
-        budget, parents, ctypes.byref(nout))
+        budget, parents, ctypes.byref(nout), int(q8))
     if status == 2:
         return None
     cpu_attention.check(status)

@@ -241,17 +241,26 @@ def kernels_used(kernels: tuple[str, ...]) -> set[str]:
     return set(kernels) | {kernel_for(kernels, cpu_gemv.MAX_ROWS + 1)}
 
 
+#: a speculator head's few-row products with int8 weights (cpu_gemv.gemv_q8): a head's own, never a target's
+_HEAD_KERNELS = {**KERNELS, "q8": (cpu_gemv.q8_pack, cpu_gemv.gemv_q8)}
+
+
 class PreparedLinears:
     """Runs ``nn.Linear`` modules through the engine's kernels (one-row / several-row choice),
     keeping a kernel-prepared copy of each weight that is remade when the weight changes
     (pointer, dtype or in-place version). Used by the speculator heads' drafting steps.
     :meth:`fused` runs several linears of one input as one product (Q/K/V, gate/up), as the
-    target's fused matrices do: one kernel call instead of three costs ~60 us less per head step."""
+    target's fused matrices do: one kernel call instead of three costs ~60 us less per head step.
+    ``int8``: the AVX-512 BF16 few-row products run on int8 copies of the weights instead
+    (``"q8"``, :func:`.cpu_gemv.gemv_q8`; inputs a multiple of 32): half the bytes a drafting step
+    reads, where it is bound by them; the drafts change a little, never what is accepted
+    (the verifier judges whatever is drafted)."""
 
-    def __init__(self, kernels: tuple[str, str]):
+    def __init__(self, kernels: tuple[str, str], int8: bool = False):
         # a head's weights are read from the caches every step, where the AVX-512 BF16 products
         # (no tile packing, no prefetch) serve; the target's AMX choice says the CPU has them
         self.kernels = head_kernels(kernels)
+        self.int8 = bool(int8) and "avx512bf16" in kernels_used(self.kernels)
         self._prepared: dict = {}
 
     @staticmethod
@@ -267,12 +276,14 @@ class PreparedLinears:
         for kernel in kernels_used(self.kernels):
             self._entry(lins, self._takes(lins, kernel))
 
-    @staticmethod
-    def _takes(lins: tuple[torch.nn.Linear, ...], kernel: str) -> str:
+    def _takes(self, lins: tuple[torch.nn.Linear, ...], kernel: str) -> str:
         """``kernel``, or AVX-512 BF16 where it is AMX and a weight's sizes are not multiples of 32 (the
-        target's matrices are, where its engine offers AMX; a head's need not be)."""
+        target's matrices are, where its engine offers AMX; a head's need not be); with ``int8``, the
+        int8 products for AVX-512 BF16 ones whose inputs are a multiple of 32."""
         if kernel == "amx" and not all(cpu_gemv.amx_supports(lin.weight) for lin in lins):
-            return "avx512bf16"
+            kernel = "avx512bf16"
+        if kernel == "avx512bf16" and self.int8 and lins[0].in_features % 32 == 0:
+            return "q8"
         return kernel
 
     def fused(self, lins: tuple[torch.nn.Linear, ...], x: torch.Tensor) -> torch.Tensor:
@@ -281,6 +292,8 @@ class PreparedLinears:
         hit = self._entry(lins, kernel)
         if kernel == "avx512bf16":  # a head's weights, read every step from the caches: no prefetch ahead
             return _avx512bf16(x, hit[0], hit[2], keep=True)
+        if kernel == "q8":
+            return cpu_gemv.gemv_q8(x, hit[0], hit[2], keep=True)
         return KERNELS[kernel][1](x, hit[0], hit[2])
 
     def _entry(self, lins: tuple[torch.nn.Linear, ...], kernel: str) -> tuple:
@@ -296,7 +309,7 @@ class PreparedLinears:
                 biases = [lin.bias for lin in lins]
                 b = None if all(v is None for v in biases) else torch.cat(
                     [w.new_zeros(lin.out_features) if v is None else v.detach() for v, lin in zip(biases, lins)])
-                hit = self._prepared[key] = (KERNELS[kernel][0](w), stamp, b)
+                hit = self._prepared[key] = (_HEAD_KERNELS[kernel][0](w), stamp, b)
         return hit
 
 

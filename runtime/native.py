@@ -31,8 +31,9 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 #: the instruction set the kernels are built for unless they say otherwise: (CPU flags, compiler flags)
 AVX2 = ({"avx2", "fma"}, ("-mavx2", "-mfma"))
 #: AVX-512 with the BF16 dot product (vdpbf16ps): AMD Zen 4+, Intel Cooper Lake / Sapphire Rapids+
-AVX512_BF16 = ({"avx512f", "avx512bw", "avx512_bf16"}, ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                                                        "-mavx512bf16"))
+#: (and VNNI's int16 dot product for the heads' int8 weights: every CPU with avx512_bf16 has it)
+AVX512_BF16 = ({"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"},
+               ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni"))
 #: AVX-512 BF16 plus AMX tiles with the BF16 tile product (Intel Sapphire Rapids and later)
 AMX_BF16 = (AVX512_BF16[0] | {"amx_tile", "amx_bf16"}, AVX512_BF16[1] + ("-mamx-tile", "-mamx-bf16"))
 

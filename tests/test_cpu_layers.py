@@ -257,13 +257,15 @@ def _drafts_and_outputs(target, drafter, prompts, lookup: bool = False, temperat
     return proposed, outs
 
 
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
 @pytest.mark.parametrize("case", ["chain", "chain+lookup", "tree", "wide tree", "deep tree", "chain T=1", "tree T=1",
                                   "chain T=1 draft temperature 0.6"])
-def test_fused_eagle3_drafting_equals_the_step_by_step_drafting(monkeypatch, case):
+def test_fused_eagle3_drafting_equals_the_step_by_step_drafting(monkeypatch, case, weights):
     """One C call per proposal (the queued pairs, and a greedy chain) drafts what fuse_features, step and
     compute_logits do one by one, bit for bit (a sampled chain: the same draws, q within fp32 rounding;
     a greedy tree: the same EAGLE-2 search); more than MAX_TOKENS queued pairs (the prompt, a long
-    accepted lookup) take the step-by-step path. Sampled trees run only the queue in it."""
+    accepted lookup) take the step-by-step path. Sampled trees run only the queue in it. With the head's
+    int8 drafting weights both paths run the int8 products (the C call's table and its fc / lm head too)."""
     from specfoundry.runtime.speculators.eagle import Eagle3Head
 
     target = _target(init_std=0.5)
@@ -271,7 +273,8 @@ def test_fused_eagle3_drafting_equals_the_step_by_step_drafting(monkeypatch, cas
              "wide tree": {"tree": "dynamic", "top_k": 5, "total_tokens": 12, "depth": 4},
              "deep tree": {"tree": "dynamic", "top_k": 8, "total_tokens": 40, "depth": 5},
              "chain T=1 draft temperature 0.6": {"draft_temperature": 0.6}}
-    drafter = _eagle3_chain(target, **trees.get(case, {}))
+    drafter = _eagle3_chain(target, head_weights=weights, **trees.get(case, {}))
+    assert drafter.head._linears.int8 == (weights == "int8")
     lookup, temperature = case == "chain+lookup", 1.0 if "T=1" in case else 0.0
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 96, (6,), generator=g).tolist() * 3 for _ in range(3)]
@@ -299,6 +302,9 @@ def test_fused_eagle3_drafting_equals_the_step_by_step_drafting(monkeypatch, cas
         assert (q_a is None) == (q_b is None) and (q_a is None or torch.allclose(q_a, q_b, rtol=1e-5, atol=1e-8))
     assert any(len(tok) >= 4 for tok, *_ in fused[0])  # chains / trees were drafted (root + 3 or more)
     assert (fused[0][-1][2] is not None) == (temperature > 0)
+    plan = drafter.head.draft_plan(drafter.cache)  # the C call read the weights in the format asked for
+    assert plan[1]["lmw"].dtype == (torch.uint8 if weights == "int8" else torch.bfloat16)
+    assert int(plan[0][0, 7]) == (weights == "int8")
 
 
 def test_fused_eagle3_drafting_steps_aside_where_it_does_not_apply():
@@ -539,12 +545,14 @@ def test_on_the_avx512_attention_every_serving_step_attends_by_the_kernel():
     assert (a - b).abs().max() <= 0.02 * b.abs().max() and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
 
 
-@pytest.mark.parametrize("kernels, V, STEPS, scale", [(FEW_ROW, 5, 3, 1.0), (FEW_ROW, 5, 3, 0.6),
-                                                      pytest.param(AMX, 32, 2, 1.0, marks=needs_amx)],
-                         ids=["avx512bf16", "avx512bf16 draft temperature 0.6", "amx"])  # AMX: vocabularies of multiples of 32
-def test_speculative_sampling_through_the_kernel_keeps_the_target_distribution(monkeypatch, kernels, V, STEPS, scale):
+@pytest.mark.parametrize("kernels, V, STEPS, scale, weights", [(FEW_ROW, 5, 3, 1.0, "int8"), (FEW_ROW, 5, 3, 0.6, "bf16"),
+                                                               pytest.param(AMX, 32, 2, 1.0, "int8", marks=needs_amx)],
+                         ids=["avx512bf16 int8 head", "avx512bf16 bf16 head draft temperature 0.6", "amx int8 head"])  # AMX: vocabularies of multiples of 32
+def test_speculative_sampling_through_the_kernel_keeps_the_target_distribution(monkeypatch, kernels, V, STEPS, scale,
+                                                                                 weights):
     # T=1 with an EAGLE-3 chain, every target step and head step on the layer kernel, the chain sampled
-    # in the head's C call (at ``scale`` x T: runtime/calibrate.py) and verified in C (cpu_verify): the distribution
+    # in the head's C call (at ``scale`` x T: runtime/calibrate.py; with the head's int8 or bf16 drafting
+    # weights) and verified in C (cpu_verify): the distribution
     # of the first STEPS tokens is the target's own (exact, from the engine's forward), by chi-square;
     # the same harness rejects the head's own distribution
     from test_sampling_lossless import PROMPT, goodness_of_fit
@@ -564,8 +572,9 @@ def test_speculative_sampling_through_the_kernel_keeps_the_target_distribution(m
         logits = target.forward(torch.tensor([PROMPT + list(seq)]), cache).logits[0, len(PROMPT) - 1: -1]
         p = probs_from_logits(logits, params)
         exact[seq] = float(torch.prod(p[torch.arange(STEPS), torch.tensor(seq)]))
-    gen = SpeculativeGenerator(target, load_drafter("eagle3", target=target, tree="chain", depth=2, draft_temperature=scale),
-                               adaptive=False)
+    drafter = load_drafter("eagle3", target=target, tree="chain", depth=2, draft_temperature=scale, head_weights=weights)
+    assert drafter.head._linears.int8 == (weights == "int8")
+    gen = SpeculativeGenerator(target, drafter, adaptive=False)
     # the drafts sampled in the head's one C call and verified by the C rejection sampler
     from specfoundry.runtime import cpu_verify
     from specfoundry.runtime.speculators.eagle import Eagle3Head
@@ -757,7 +766,7 @@ def test_a_heads_many_row_products_take_the_tiles_where_its_sizes_allow():
         for rows, kernel in ((1, "avx512bf16"), (5, "avx512bf16"), (40, many)):
             x = torch.randn(rows, 64, generator=g).bfloat16()
             y = run(lin, x)
-            assert PreparedLinears._takes((lin,), kernel_for(run.kernels, rows)) == kernel
+            assert run._takes((lin,), kernel_for(run.kernels, rows)) == kernel
             ref = x.float() @ lin.weight.float().t()
             assert (y.float() - ref).abs().max() <= 0.02 * ref.abs().max()
     assert {k for _, k in run._prepared} == {"avx512bf16", "amx"}

@@ -47,6 +47,7 @@ tau 1.36) against lookup@2 1.09x (1.5 ms, 9.5 ms, tau 1.32) (docs/results.md, tw
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -455,8 +456,26 @@ def topk_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return vals.gather(-1, o), idx.gather(-1, o)
 
 
-def _make(drafter_cls, source, target, architecture: dict | None = None, seed: int | None = 0, **options):
+#: the EAGLE heads' CPU drafting weights unless load_drafter's ``head_weights`` says: "int8" or "bf16"
+HEAD_WEIGHTS_ENV = "SPECFOUNDRY_HEAD_WEIGHTS"
+
+
+def resolve_head_weights(value: str | None = None) -> str:
+    """The heads' drafting weights: ``value``, else ``$SPECFOUNDRY_HEAD_WEIGHTS``, else ``"int8"``: the
+    AVX-512 BF16 few-row products on int8 copies (per-output scales, :func:`.cpu_gemv.q8_pack`), which a
+    drafting step reads in about half the time (it is bound by the bytes it reads); the same acceptance
+    on the default head (docs/results.md, thirty-eighth session). Lossless either way: the verifier
+    judges whatever the head drafts. ``"bf16"``: the weights as trained (the drafts of the bf16 head)."""
+    choice = value or os.environ.get(HEAD_WEIGHTS_ENV) or "int8"
+    if choice not in ("int8", "bf16"):
+        raise ValueError(f"head_weights must be 'int8' or 'bf16', got {choice!r}")
+    return choice
+
+
+def _make(drafter_cls, source, target, architecture: dict | None = None, seed: int | None = 0,
+          head_weights: str | None = None, **options):
     head_cls = drafter_cls.head_class
+    int8 = resolve_head_weights(head_weights) == "int8"
     default_adaptive = True
     if source is None:
         head = head_cls.from_target(target, seed=seed, **(architecture or {}))
@@ -480,7 +499,7 @@ def _make(drafter_cls, source, target, architecture: dict | None = None, seed: i
     # kernels (a CPU kernel for a head on CUDA failed on a GPU machine)
     current = getattr(target, "_engine", None)
     if current is not None and hasattr(head, "use_kernels"):
-        head.use_kernels(current().kernels)  # the target engine's measured kernels for this machine/dtype
+        head.use_kernels(current().kernels, int8=int8)  # the target engine's measured kernels for this machine/dtype
     drafter = drafter_cls(head, **options)
     drafter.default_adaptive = default_adaptive
     return drafter

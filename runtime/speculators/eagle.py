@@ -203,10 +203,12 @@ class _EagleBase(nn.Module):
         return out
 
     # -- the drafting step on a static cache --------------------------------------------
-    def use_kernels(self, kernels: tuple[str, str] | None) -> None:
+    def use_kernels(self, kernels: tuple[str, str] | None, int8: bool = False) -> None:
         """Run the drafting path's linears through the engine's kernels (e.g. the target
-        engine's measured choice); None = ``F.linear``. Training's :meth:`forward` is unaffected."""
-        run = self.__dict__["_linears"] = PreparedLinears(kernels) if kernels else None
+        engine's measured choice); None = ``F.linear``. Training's :meth:`forward` is unaffected.
+        ``int8``: the few-row products on int8 copies of the weights where the AVX-512 BF16 kernel
+        runs them (:class:`~..engine.PreparedLinears`; the drafting step reads half the bytes)."""
+        run = self.__dict__["_linears"] = PreparedLinears(kernels, int8=int8) if kernels else None
         # the modules whose weights the drafting step checks are looked up again (a submodule
         # replaced after this call is not seen until the next one; a replaced weight is)
         self.__dict__.pop("_table_modules", None)
@@ -310,14 +312,19 @@ class _EagleBase(nn.Module):
         cached = self.__dict__.get("_table")
         if cached is not None and cached[0] == stamp:
             return cached[1]
-        key = "avx512bf16"
         attn, mlp = self.layer.self_attn, self.layer.mlp
+        # the products' format as the step-by-step path takes them (int8 where the head's linears are)
+        kinds = {run._takes(g, "avx512bf16") for g in (lins[:3], lins[3:4], lins[4:6], lins[6:7])}
+        if len(kinds) > 1:
+            return None
+        key = kinds.pop()
         qkv, gu = run._entry(lins[:3], key), run._entry(lins[4:6], key)
         if qkv[2] is not None or any(m.bias is not None for m in (attn.o_proj, mlp.down_proj)):
             return None
         o, down = run._entry((attn.o_proj,), key)[0], run._entry((mlp.down_proj,), key)[0]
         table = cpu_layers.layer_table([{"ln1": None, "wqkv": qkv[0], "bqkv": None, "wo": o,
-                                         "ln2": self.layer.post_attention_layernorm.weight, "w_gu": gu[0], "w_down": down}])
+                                         "ln2": self.layer.post_attention_layernorm.weight, "w_gu": gu[0], "w_down": down}],
+                                       q8=key == "q8")
         # the prepared tensors are kept with the table: its addresses stay theirs while it is used
         self.__dict__["_table"] = (stamp, table, (qkv[0], gu[0], o, down))
         return table
@@ -683,8 +690,8 @@ class Eagle3Head(_EagleBase):
         if w is None:
             return None
         # the products' prepared weights: remade by PreparedLinears when edited
-        fcw, lmw = run._entry((self.fc,), "avx512bf16")[0], run._entry((self.lm_head,), "avx512bf16")[0]
-        return {**w, "fcw": fcw, "lmw": lmw} if fcw.dtype == lmw.dtype == torch.bfloat16 else None
+        fcw, lmw = (run._entry((m,), run._takes((m,), "avx512bf16"))[0] for m in (self.fc, self.lm_head))
+        return {**w, "fcw": fcw, "lmw": lmw} if fcw.dtype == lmw.dtype in (torch.bfloat16, torch.uint8) else None
 
     def _step_inputs(self, input_ids, hidden):
         layer = self.layer
