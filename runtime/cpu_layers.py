@@ -368,8 +368,8 @@ int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, co
         int64_t a;
         if (temp > 0) {  /* sampling: q = softmax(logits / temp) (kept for the verifier), one draw by uq[d] */
             float mx, sum, *qr = qout + (int64_t)d * Vd;
-            if (stats(logits, 1, Vd, temp, &mx, &sum)) return 2;
-            probs_row(logits, 1, Vd, temp, mx, sum, qr);
+            if (stats(logits, 1, Vd, temp, &mx, &sum, qr)) return 2;
+            probs_from(qr, Vd, sum);
             a = draw(qr, Vd, uq[d]);
         } else {
             sf_argmax_bf16(logits, 1, Vd, &a);

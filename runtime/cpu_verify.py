@@ -42,14 +42,19 @@ static inline __m512 ldlog(const void *lg, int bf16, int64_t i, __mmask16 m) {
 }
 static inline __mmask16 tailmask(int64_t V, int64_t i) { return V - i >= 16 ? 0xffff : (__mmask16)((1u << (V - i)) - 1); }
 
+/* l / T; T == 1 skips the division (x / 1 is x exactly: the same bits, and vdivps is slow on 49k-entry rows) */
+static inline __m512 scl(__m512 v, __m512 tv, int one) { return one ? v : _mm512_div_ps(v, tv); }
+
 /* row statistics of the scaled logits l / T: their maximum and the sum of exp(l / T - max); 1 when
-   they are not all finite (left to the caller's PyTorch path) */
-static int stats(const void *lg, int bf16, int64_t V, float T, float *mx, float *sum) {
+   they are not all finite (left to the caller's PyTorch path). ex (or NULL): each exp(l / T - max)
+   kept, so that the row's probabilities need only the division by the sum (probs_from) */
+static int stats(const void *lg, int bf16, int64_t V, float T, float *mx, float *sum, float *ex) {
     __m512 m = _mm512_set1_ps(-INFINITY), tv = _mm512_set1_ps(T);
+    int one = T == 1.0f;
     __mmask16 bad = 0;
     for (int64_t i = 0; i < V; i += 16) {
         __mmask16 k = tailmask(V, i);
-        __m512 v = _mm512_div_ps(ldlog(lg, bf16, i, k), tv);
+        __m512 v = scl(ldlog(lg, bf16, i, k), tv, one);
         bad |= _mm512_mask_cmp_ps_mask(k, v, v, _CMP_UNORD_Q) | _mm512_mask_cmp_ps_mask(k, _mm512_abs_ps(v), _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
         m = _mm512_mask_max_ps(m, k, m, v);
     }
@@ -58,23 +63,25 @@ static int stats(const void *lg, int bf16, int64_t V, float T, float *mx, float 
     __m512 s = _mm512_setzero_ps(), mv = _mm512_set1_ps(*mx);
     for (int64_t i = 0; i < V; i += 16) {
         __mmask16 k = tailmask(V, i);
-        s = _mm512_add_ps(s, _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_div_ps(ldlog(lg, bf16, i, k), tv), mv))));
+        __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(scl(ldlog(lg, bf16, i, k), tv, one), mv)));
+        if (ex) _mm512_mask_storeu_ps(ex + i, k, e);
+        s = _mm512_add_ps(s, e);
     }
     *sum = _mm512_reduce_add_ps(s);
     return 0;
 }
 
 static inline float prob(const void *lg, int bf16, int64_t x, float T, float mx, float sum) {
-    __m512 v = _mm512_div_ps(ldlog(lg, bf16, x, 1), _mm512_set1_ps(T));
+    __m512 v = scl(ldlog(lg, bf16, x, 1), _mm512_set1_ps(T), T == 1.0f);
     return _mm512_cvtss_f32(exp512(_mm512_sub_ps(v, _mm512_set1_ps(mx)))) / sum;
 }
 
-/* out = exp(l / T - mx) / sum over the row (fp32 probabilities, from stats()) */
-static void probs_row(const void *lg, int bf16, int64_t V, float T, float mx, float sum, float *out) {
-    __m512 tv = _mm512_set1_ps(T), mv = _mm512_set1_ps(mx), inv = _mm512_set1_ps(1.0f / sum);
+/* the row's probabilities exp(l / T - mx) / sum from the exponentials stats() kept, in place */
+static void probs_from(float *ex, int64_t V, float sum) {
+    __m512 inv = _mm512_set1_ps(1.0f / sum);
     for (int64_t i = 0; i < V; i += 16) {
         __mmask16 m = tailmask(V, i);
-        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(exp512(_mm512_sub_ps(_mm512_div_ps(ldlog(lg, bf16, i, m), tv), mv)), inv));
+        _mm512_mask_storeu_ps(ex + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, ex + i), inv));
     }
 }
 
@@ -87,14 +94,21 @@ static inline double block_sum(const float *w, int64_t V, int64_t i) {
 
 /* one draw from non-negative weights w [V] (any positive total) by the uniform u in [0, 1): the first
    index whose running fp64 sum exceeds u * total, as sampling.sample does (16-entry block sums, in the
-   order the total was made; the picked entry is always positive) */
+   order the total was made; the picked entry is always positive). The block sums of the total are kept
+   for the search (up to SF_DRAW_BLOCKS of them, on the stack; a larger vocabulary sums them again). */
+#define SF_DRAW_BLOCKS 8192
 static int64_t draw(const float *w, int64_t V, double u) {
-    double total = 0, run = 0;
-    for (int64_t i = 0; i < V; i += 16) total += block_sum(w, V, i);
+    double total = 0, run = 0, kept[SF_DRAW_BLOCKS];
+    int keep = (V + 15) / 16 <= SF_DRAW_BLOCKS;
+    for (int64_t i = 0; i < V; i += 16) {
+        double b = block_sum(w, V, i);
+        if (keep) kept[i / 16] = b;
+        total += b;
+    }
     double target = u * total;
     int64_t pick = -1;
     for (int64_t i = 0; i < V && pick < 0; i += 16) {
-        double b = block_sum(w, V, i);
+        double b = keep ? kept[i / 16] : block_sum(w, V, i);
         if (run + b > target) {
             int64_t end = V - i < 16 ? V - i : 16;
             double c = run;
@@ -134,14 +148,14 @@ int sf_verify_sampling_chain(const void *logits, int bf16, int64_t V, int k, flo
     size_t es = bf16 ? 2 : 4;
     float mx = 0, sum = 1;
     int j = 0;
-    for (; j <= k; j++) {
+    for (; j <= k; j++) {  /* the last row whose statistics are taken is the one drawn from */
         const void *row = (const char *)logits + (size_t)j * V * es;
-        if (stats(row, bf16, V, T, &mx, &sum)) return 1;
+        if (stats(row, bf16, V, T, &mx, &sum, work)) return 1;
         if (j == k) break;
         float px = prob(row, bf16, x[j], T, mx, sum), qx = q ? q_at(q, qids, Vq, j, x[j]) : 1.0f;
         if (!(u[j] * qx < px)) break;  /* rejected: draw from the residual of row j */
     }
-    probs_row((const char *)logits + (size_t)j * V * es, bf16, V, T, mx, sum, work);
+    probs_from(work, V, sum);
     if (j < k) {  /* the residual max(p - q, 0), unless it is empty (p <= q everywhere): then p */
         __mmask16 any = 0;
         float *r = work + V;
