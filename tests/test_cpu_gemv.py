@@ -315,3 +315,81 @@ def test_the_kernel_table_lists_what_runs_here():
         assert set(table["aten"]) == {1, 4} and all(v > 0 for v in table["aten"].values())
         assert ("amx" in table) == (dtype == torch.bfloat16 and cpu_gemv.amx_available())
         assert ("avx512bf16" in table) == (dtype == torch.bfloat16 and cpu_gemv.bf16_available())
+
+
+# int8 weights (a speculator head's drafting products, cpu_gemv.gemv_q8; where they are used: test_head_int8.py)
+
+
+def _q8_reference(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's rule in float64: each row of x to int16 by max|x| / 32767 (round half to even), exact
+    integer sums, times both scales, plus the bias."""
+    inn = packed.shape[1] - 4
+    q = packed[:, :inn].contiguous().view(torch.int8).double()
+    s = packed[:, inn:].contiguous().view(torch.float32).view(-1).double()
+    xf = x.double()
+    sx = (xf.abs().amax(1, keepdim=True) / 32767).float().double()  # the kernel's fp32 scale
+    xq = torch.round(xf * (32767 / xf.abs().amax(1, keepdim=True)).float().double()).clamp(-32768, 32767)
+    y = (xq @ q.t()) * sx * s
+    return y if bias is None else y + bias.double()
+
+
+@needs_bf16
+@pytest.mark.parametrize("shape", [(96, 64), (576, 1728), (40, 16448)])  # 16448: two flushes, the last partial
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_gemv_q8_computes_its_rule_and_is_close_to_the_bf16_product(shape, rows):
+    g = torch.Generator().manual_seed(rows)
+    out, inn = shape
+    w = (torch.randn(out, inn, generator=g) * 0.05).bfloat16()
+    w[1] = 0  # a zero row: scale 0, outputs 0 (plus the bias)
+    packed = cpu_gemv.q8_pack(w)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (out, inn + 4)
+    big = 200.0 if inn > 8192 else 2.0  # large inputs: sums past an int32 lane without the flush
+    x = (torch.randn(rows, inn, generator=g) * big).bfloat16()
+    x[:, 5] = big * 3  # every row's largest entry quantizes to 32767 exactly
+    w[2] = w[2].abs().max()  # a row of equal weights quantizes to 127 everywhere
+    packed = cpu_gemv.q8_pack(w)
+    bias = torch.randn(out, generator=g).bfloat16()
+    y = cpu_gemv.gemv_q8(x, packed, bias)
+    ref = _q8_reference(x, packed, bias)
+    # the kernel's fp32 sums and one rounding to bf16
+    assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-3 * ref.abs().max()).all()
+    assert torch.equal(y[:, 1], bias[1].expand(rows))
+    # and the product of the weights as trained, within int8's rounding (a few parts per thousand here)
+    exact = x.double() @ w.double().t() + bias.double()
+    assert (y.double() - exact).norm() <= 0.02 * exact.norm()
+
+
+@needs_bf16
+def test_gemv_q8_sums_past_what_an_int32_lane_holds():
+    # equal signs everywhere: 32,768 inputs of 127 * 32767 each would overflow the int32 lanes without the
+    # kernel's move into fp32 every 8,192 inputs
+    w = torch.full((3, 32768), 0.5).bfloat16()
+    x = torch.full((2, 32768), 3.0).bfloat16()
+    y = cpu_gemv.gemv_q8(x, cpu_gemv.q8_pack(w))
+    assert torch.equal(y, torch.full((2, 3), 32768 * 1.5).bfloat16())
+
+
+@needs_bf16
+def test_gemv_q8_gives_a_row_the_same_bits_alone_and_in_any_batch():
+    # each row of x has its own int16 scale: its outputs do not depend on the other rows or the threads
+    g = torch.Generator().manual_seed(0)
+    packed = cpu_gemv.q8_pack(torch.randn(300, 576, generator=g).bfloat16())
+    x = torch.randn(13, 576, generator=g).bfloat16()
+    _assert_rows_independent(lambda xs: cpu_gemv.gemv_q8(xs, packed), x, (2, 5, 8, 9, 13))
+
+
+@needs_bf16
+def test_gemv_q8_keeps_non_finite_rows_non_finite_and_refuses_what_it_cannot_take():
+    w = torch.randn(64, 96).bfloat16()
+    packed = cpu_gemv.q8_pack(w)
+    x = torch.randn(3, 96).bfloat16()
+    x[1, 7], x[2, 0] = float("nan"), float("inf")
+    y = cpu_gemv.gemv_q8(x, packed)
+    assert y[0].isfinite().all() and y[1].isnan().all() and y[2].isnan().all()
+    assert torch.equal(cpu_gemv.gemv_q8(torch.zeros(2, 96).bfloat16(), packed), torch.zeros(2, 64).bfloat16())
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_gemv.q8_pack(torch.randn(8, 40))
+    with pytest.raises(ValueError, match="q8_pack weight"):
+        cpu_gemv.gemv_q8(x, w)  # a bf16 weight
+    with pytest.raises(ValueError, match="q8_pack weight"):
+        cpu_gemv.gemv_q8(x.float(), packed)
