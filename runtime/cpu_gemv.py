@@ -1,6 +1,7 @@
 """A few-row matrix product for x86 CPUs: ``y = x @ w.T`` for 1-8 rows of ``x``, each weight row
-read once for all of them: with AVX2+FMA (the engine's ``"avx2"`` kernel, bf16 or fp32 weights) and
-with AVX-512 BF16 (``"avx512bf16"``, bf16 only: :func:`gemv_bf16`).
+read once for all of them: with AVX2+FMA (the engine's ``"avx2"`` kernel, bf16 or fp32 weights), with
+AVX-512 BF16 (``"avx512bf16"``, bf16 only: :func:`gemv_bf16`), on AMX tiles (:func:`gemv_amx`), and
+with int8 weights for speculator heads (:func:`gemv_q8`).
 
 Why: on a CPU the target's matrix products for a decode step or a small verification are
 weight-streaming work, but the library kernels treat a few rows as a GEMM. Measured on a 2-core
@@ -42,6 +43,13 @@ call, and each output stored alone) 5 rows cost 1.0-1.1x one row in cache instea
 each output is the tile product's fp32 sum in its fixed order (denormals flushed), whatever the row
 and thread count, so plain steps and verifications agree bit for bit when both run on it; its sums
 differ from the AVX-512 kernel's in the last bits, so the engine never mixes the two for one model.
+
+The int8 kernel (:func:`gemv_q8`, weights from :func:`q8_pack`; a speculator head's drafting products only,
+never a target's: ``PreparedLinears(int8=True)``) reads half the bytes of the bf16 one: one int8 weight row
+and its fp32 scale, each row of x quantized to int16 by its own scale, the products summed exactly in int32
+by VNNI's ``vpdpwssd``. A head's drafting step reads its weights from L3 every step and is bound by those
+bytes (thirty-eighth session: the one-call draft 0.75-0.79 -> 0.45-0.56 ms replayed on a 2-core Xeon); its
+outputs differ from the bf16 weights' by the rounding, which the verifier never sees (it judges the drafts).
 
 Build: the C sources below are compiled once per machine by :func:`.native.build` (``cc -O3
 -fopenmp`` with ``-mavx2 -mfma`` or the AVX-512 BF16 flags, cached by source hash, OpenMP shared

@@ -5,7 +5,8 @@ greedy tree, drafted without returning to Python; twenty-fourth session).
 
 Scope: Llama-family layers (RMSNorm, fused Q/K/V with an optional bias, rotate-half RoPE, grouped-
 query attention over a static cache, SiLU-gated MLP) for 1-:data:`MAX_TOKENS` new tokens of one
-sequence, bf16 weights, activations and cache, on CPUs with ``avx512_bf16``. The matrix products
+sequence, bf16 weights (a speculator head's may be int8, :func:`.cpu_gemv.gemv_q8`: the layer table
+says which), activations and cache, on CPUs with ``avx512_bf16``. The matrix products
 and the attention are the kernels the engine already runs one by one (:mod:`.cpu_gemv`'s few-row
 product, :mod:`.cpu_attention`'s ``sf_attn_rows``; the AMX build scores the attention on the tiles
 instead, ``amx_scores``, for every step alike); this module only runs a whole forward's layers

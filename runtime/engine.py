@@ -282,7 +282,8 @@ class PreparedLinears:
         int8 products for AVX-512 BF16 ones whose inputs are a multiple of 32."""
         if kernel == "amx" and not all(cpu_gemv.amx_supports(lin.weight) for lin in lins):
             kernel = "avx512bf16"
-        if kernel == "avx512bf16" and self.int8 and lins[0].in_features % 32 == 0:
+        if kernel == "avx512bf16" and self.int8 and lins[0].in_features % 32 == 0 \
+                and all(lin.weight.dtype == torch.bfloat16 for lin in lins):
             return "q8"
         return kernel
 
