@@ -682,11 +682,6 @@ def q8_pack(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([q.to(torch.int8).view(torch.uint8), s.view(torch.uint8).view(-1, 4)], 1).contiguous()
 
 
-def q8_supports(w: torch.Tensor) -> bool:
-    """Whether a weight can be packed for :func:`gemv_q8` (inputs a multiple of 32) and the kernel runs here."""
-    return w.dim() == 2 and w.shape[1] % 32 == 0 and w.is_floating_point() and bf16_available()
-
-
 def gemv_q8(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, keep: bool = False) -> torch.Tensor:
     """``x @ dequant(w).T + b`` for bf16 ``x`` ``[..., in]`` and a :func:`q8_pack` weight, each row of
     ``x`` quantized to int16 (its own scale) and the sums exact in int32, rounded once to bf16 (the

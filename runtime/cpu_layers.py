@@ -51,15 +51,12 @@ _LAYER = r"""
 #else
 #define TGEMV(amx, x, w, b, y, n, in, out, keep) sf_gemv_dpbf16(x, w, b, y, n, in, out, keep)
 #endif
-/* a layer's products: int8 weights (q8, a speculator head's: cpu_gemv's sf_gemv_q8) or TGEMV's; returns
-   1 from the caller when the int8 product's work buffer could not be allocated */
-#define LGEMV(q8, amx, x, w, b, y, n, in, out, keep) \
-    do { if (q8) { if (sf_gemv_q8(x, (const uint8_t *)(w), b, y, n, in, out, keep)) return 1; } \
-         else TGEMV(amx, x, w, b, y, n, in, out, keep); } while (0)
-/* a head's fc and lm-head products (int8 when q8): 0, or 1 when the int8 product's buffer failed */
-static inline int hgemv(int q8, const uint16_t *x, const uint16_t *w, uint16_t *y, int n, int in, int out, int keep) {
-    if (q8) return sf_gemv_q8(x, (const uint8_t *)w, 0, y, n, in, out, keep);
-    sf_gemv_dpbf16(x, w, 0, y, n, in, out, keep);
+/* every product here: int8 weights (q8, a speculator head's: cpu_gemv's sf_gemv_q8) or TGEMV's; 0, or 1
+   when the int8 product's work buffer could not be allocated */
+static inline int lgemv(int q8, int amx, const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, int n,
+                        int in, int out, int keep) {
+    if (q8) return sf_gemv_q8(x, (const uint8_t *)w, b, y, n, in, out, keep);
+    TGEMV(amx, x, w, b, y, n, in, out, keep);
     return 0;
 }
 static inline __m512 ld16(const uint16_t *p) { return wid(_mm256_loadu_si256((const __m256i *)p)); }
@@ -156,7 +153,7 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
         const uint16_t *ain = xin;
         int k_in = in_dim;
         if (p[0]) { norm_rows(x, (const uint16_t *)p[0], h, n, H, eps); ain = h; k_in = H; }
-        LGEMV(q8, amx, ain, (const uint16_t *)p[1], (const uint16_t *)p[2], qkv, n, k_in, nqkv, keep);
+        if (lgemv(q8, amx, ain, (const uint16_t *)p[1], (const uint16_t *)p[2], qkv, n, k_in, nqkv, keep)) return 1;
         uint16_t *K = kv + l * s_layer, *V = K + s_kv;
         for (int t = 0; t < n; t++) {
             const uint16_t *row = qkv + (int64_t)t * nqkv, *c = cs + (int64_t)t * D, *s = sn + (int64_t)t * D;
@@ -180,10 +177,10 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
                       Kt, t_head, amx))
             return 1;
         for (int64_t i = 0; i < (int64_t)n * hq * D; i += 16) st16(ao + i, _mm512_loadu_ps(of + i));
-        LGEMV(q8, amx, ao, (const uint16_t *)p[3], 0, o, n, hq * D, H, keep);
+        if (lgemv(q8, amx, ao, (const uint16_t *)p[3], 0, o, n, hq * D, H, keep)) return 1;
         for (int64_t i = 0; i < (int64_t)n * H; i += 16) st16(x + i, _mm512_add_ps(ld16(x + i), ld16(o + i)));
         norm_rows(x, (const uint16_t *)p[4], h, n, H, eps);
-        LGEMV(q8, amx, h, (const uint16_t *)p[5], 0, gu, n, H, 2 * I, keep);
+        if (lgemv(q8, amx, h, (const uint16_t *)p[5], 0, gu, n, H, 2 * I, keep)) return 1;
         for (int t = 0; t < n; t++)
             for (int i = 0; i < I; i += 16) {
                 __m512 g = ld16(gu + (int64_t)t * 2 * I + i), u = ld16(gu + (int64_t)t * 2 * I + I + i);
@@ -193,7 +190,7 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
                 __m512 sig = _mm512_mask_mul_ps(inv, neg, inv, e);  /* sigmoid: 1/(1+e) or e/(1+e) */
                 st16(m + (int64_t)t * I + i, _mm512_mul_ps(rnd(_mm512_mul_ps(g, sig)), u));
             }
-        LGEMV(q8, amx, m, (const uint16_t *)p[6], 0, o, n, I, H, keep);
+        if (lgemv(q8, amx, m, (const uint16_t *)p[6], 0, o, n, I, H, keep)) return 1;
         for (int64_t i = 0; i < (int64_t)n * H; i += 16) st16(x + i, _mm512_add_ps(ld16(x + i), ld16(o + i)));
     }
     return 0;
@@ -261,7 +258,7 @@ static int eagle3_tree(int depth, int k, int budget, const uint16_t *h, const in
     fidx[0] = 0; fscore[0] = 0.0f;
     for (int d = 1; d <= depth; d++) {
         norm_rows(fh, onw, hn, m, H, eps);
-        if (hgemv(q8, hn, lmw, lgt, m, H, Vd, keep)) goto done;
+        if (lgemv(q8, 0, hn, lmw, 0, lgt, m, H, Vd, keep)) goto done;
         int first = nc;
         for (int r = 0; r < m; r++) {
             log_softmax_row(lgt + (int64_t)r * Vd, Vd, lp);
@@ -347,7 +344,7 @@ int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, co
     uint16_t *hn = xin + (int64_t)rows * 2 * H, *logits = hn + H;
     if (n > 0) {
         for (int64_t r = 0; r < (int64_t)n * F; r++) norm_rows(feats + r * H, fnw + (r % F) * H, nfeat + r * H, 1, H, eps);
-        if (hgemv(q8, nfeat, fcw, x, n, F * H, H, keep)) return 1;
+        if (lgemv(q8, 0, nfeat, fcw, 0, x, n, F * H, H, keep)) return 1;
         for (int t = 0; t < n; t++) {
             norm_rows(emb + qids[t] * H, inw, xin + (int64_t)t * 2 * H, 1, H, eps);
             norm_rows(x + (int64_t)t * H, hnw, xin + (int64_t)t * 2 * H + H, 1, H, eps);
@@ -365,7 +362,7 @@ int sf_eagle3_draft(int n, const uint16_t *feats, const int64_t *qids, int F, co
     }
     for (int d = 0; d < depth; d++) {
         norm_rows(h, onw, hn, 1, H, eps);
-        if (hgemv(q8, hn, lmw, logits, 1, H, Vd, keep)) return 1;
+        if (lgemv(q8, 0, hn, lmw, 0, logits, 1, H, Vd, keep)) return 1;
         int64_t a;
         if (temp > 0) {  /* sampling: q = softmax(logits / temp) (kept for the verifier), one draw by uq[d] */
             float mx, sum, *qr = qout + (int64_t)d * Vd;

@@ -46,8 +46,8 @@ static inline __mmask16 tailmask(int64_t V, int64_t i) { return V - i >= 16 ? 0x
 static inline __m512 scl(__m512 v, __m512 tv, int one) { return one ? v : _mm512_div_ps(v, tv); }
 
 /* row statistics of the scaled logits l / T: their maximum and the sum of exp(l / T - max); 1 when
-   they are not all finite (left to the caller's PyTorch path). ex (or NULL): each exp(l / T - max)
-   kept, so that the row's probabilities need only the division by the sum (probs_from) */
+   they are not all finite (left to the caller's PyTorch path). ex [V]: each exp(l / T - max) kept, so
+   that the row's probabilities need only the division by the sum (probs_from) */
 static int stats(const void *lg, int bf16, int64_t V, float T, float *mx, float *sum, float *ex) {
     __m512 m = _mm512_set1_ps(-INFINITY), tv = _mm512_set1_ps(T);
     int one = T == 1.0f;
@@ -64,7 +64,7 @@ static int stats(const void *lg, int bf16, int64_t V, float T, float *mx, float 
     for (int64_t i = 0; i < V; i += 16) {
         __mmask16 k = tailmask(V, i);
         __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(scl(ldlog(lg, bf16, i, k), tv, one), mv)));
-        if (ex) _mm512_mask_storeu_ps(ex + i, k, e);
+        _mm512_mask_storeu_ps(ex + i, k, e);
         s = _mm512_add_ps(s, e);
     }
     *sum = _mm512_reduce_add_ps(s);
@@ -135,6 +135,14 @@ static inline float q_at(const float *q, const int64_t *qids, int64_t Vq, int i,
     return 0.0f;
 }
 
+/* whether any of r [V] is positive */
+static __mmask16 any_positive(const float *r, int64_t V) {
+    __mmask16 any = 0;
+    for (int64_t i = 0; i < V && !any; i += 16)
+        any = _mm512_mask_cmp_ps_mask(tailmask(V, i), _mm512_maskz_loadu_ps(tailmask(V, i), r + i), _mm512_setzero_ps(), _CMP_GT_OQ);
+    return any;
+}
+
 /* Verify a chain of k drafts x[0..k-1] (node i + 1 = x[i]) against logits rows 0..k (row i: the
    target after node i, V entries, bf16 or fp32, row stride V); q: [k][Vq] the distributions the
    drafts were drawn from (row i for x[i]; over the target vocabulary, or with qids over a draft
@@ -175,15 +183,11 @@ int sf_verify_sampling_chain(const void *logits, int bf16, int64_t V, int k, flo
                 float d = work[qids[t]] - qr[t];
                 r[qids[t]] = d > 0.0f ? d : 0.0f;
             }
-            any = 0;
-            for (int64_t i = 0; i < V && !any; i += 16)
-                any = _mm512_mask_cmp_ps_mask(tailmask(V, i), _mm512_maskz_loadu_ps(tailmask(V, i), r + i), _mm512_setzero_ps(), _CMP_GT_OQ);
+            any = any_positive(r, V);
         }
         if (!q) {  /* a deterministic draft: q is one at x */
             r[x[j]] = 0.0f;
-            any = 0;
-            for (int64_t i = 0; i < V && !any; i += 16)
-                any = _mm512_mask_cmp_ps_mask(tailmask(V, i), _mm512_maskz_loadu_ps(tailmask(V, i), r + i), _mm512_setzero_ps(), _CMP_GT_OQ);
+            any = any_positive(r, V);
         }
         if (any) work = r;
     }

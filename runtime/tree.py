@@ -15,6 +15,12 @@ from typing import NamedTuple
 import torch
 
 
+def over_target_vocab(q: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Distributions ``q`` ``[..., Vq]`` over a draft vocabulary (column ``j`` is target id ``ids[j]``) as
+    ``[..., vocab_size]`` over the target's, zero at every other id (where verification compares q with p)."""
+    return q.new_zeros(*q.shape[:-1], vocab_size).index_copy_(q.dim() - 1, ids.to(q.device), q)
+
+
 @dataclass
 class Draft:
     """A batch of draft trees.
@@ -67,7 +73,7 @@ class Draft:
         """``q`` over the target vocabulary ``[B, N, vocab_size]`` (zero outside a draft vocabulary)."""
         if self.q is None or self.q_ids is None:
             return self.q
-        return self.q.new_zeros(*self.q.shape[:2], vocab_size).index_copy_(2, self.q_ids.to(self.q.device), self.q)
+        return over_target_vocab(self.q, self.q_ids, vocab_size)
 
     @property
     def num_nodes(self) -> int:

@@ -58,7 +58,7 @@ from ..sampling import draft_params, probs_from_logits, sample, tree_log_probs
 from ..speculators import Eagle3Head, EagleHead, load_speculator, read_config
 from ..speculators.checkpoint import DRAFT_SHAPE_KEYS, MAX_DRAFT_TEMPERATURE, default_draft_shape
 from ..target import KVCache
-from ..tree import Draft, subtree
+from ..tree import Draft, over_target_vocab, subtree
 from .base import DraftContext, Drafter, register_drafter
 
 __all__ = ["EagleDrafter", "Eagle3Drafter"]
@@ -317,7 +317,7 @@ class EagleDrafter(Drafter):
         d2t = self.head.draft_to_target
         if d2t is None:
             return q
-        return q.new_zeros(q.shape[0], self.head.architecture["vocab_size"]).index_copy_(1, d2t, q)
+        return over_target_vocab(q, d2t, self.head.architecture["vocab_size"])
 
     def _grow_greedy(self, root: torch.Tensor, depth: int, budget: int) -> Draft:
         base = self.cache.length

@@ -31,7 +31,7 @@ import torch
 from ..adaptive import MAX_DRAFT_NODES
 from ..sampling import probs_from_logits, sample
 from ..speculators import MedusaHeads, load_speculator
-from ..tree import Draft, tree_depths, tree_from_choices
+from ..tree import Draft, over_target_vocab, tree_depths, tree_from_choices
 from .base import DraftContext, Drafter, register_drafter
 
 __all__ = ["MedusaDrafter"]
@@ -115,8 +115,7 @@ class MedusaDrafter(Drafter):
         q_depth = probs_from_logits(logits, ctx.sampling)  # [K, V] (draft ids with a reduced vocabulary)
         d2t = self.heads.draft_to_target
         if d2t is not None:  # into the target vocabulary, where verification compares q with p
-            V = self.heads.architecture["vocab_size"]
-            q_depth = q_depth.new_zeros(q_depth.shape[0], V).index_copy_(1, d2t.to(q_depth.device), q_depth)
+            q_depth = over_target_vocab(q_depth, d2t, self.heads.architecture["vocab_size"])
         support = (q_depth > 0).sum(-1).tolist()
         N = parents.shape[0]
         par = parents.tolist()

@@ -38,7 +38,7 @@ import torch
 
 from ..sampling import SamplingParams, draft_params, probs_from_logits, sample, tree_log_probs
 from ..drafters.eagle import topk_first
-from ..tree import Draft, subtree
+from ..tree import Draft, over_target_vocab, subtree
 
 __all__ = ["LONG_QUEUE", "SlotDrafts"]
 
@@ -195,7 +195,7 @@ class SlotDrafts:
             q = None
             if not greedy[j]:
                 qd = torch.stack([qs[d][j] for d in range(depth)])  # [depth, Vd]
-                q = qd if d2t is None else qd.new_zeros(depth, V).index_copy_(1, d2t, qd)
+                q = qd if d2t is None else over_target_vocab(qd, d2t, V)
                 q = q.unsqueeze(0)
             return Draft.chain(root.to(dev), torch.stack([t[j] for t in tokens]).view(1, depth), q)
 
