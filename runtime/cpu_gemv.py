@@ -68,12 +68,16 @@ import torch
 from .native import AMX_BF16, AVX512_BF16, PRELUDE, build, ptr
 from .timing import best_seconds
 
-__all__ = ["MAX_ROWS", "amx_available", "amx_pack", "amx_supports", "amx_unavailable_reason", "available",
+__all__ = ["AMX_ROWS", "MAX_ROWS", "amx_available", "amx_pack", "amx_supports", "amx_unavailable_reason", "available",
            "bf16_available", "bf16_unavailable_reason", "configure", "fma_exact", "fma_rows", "gemv", "gemv_bf16",
            "set_fma_rows",
            "gemv_amx", "unavailable_reason"]
 
 MAX_ROWS = 8  # rows handled in one pass over the weights (accumulators held in registers)
+#: rows the AMX kernel takes as a few-row product (engine.kernel_for): its A tile holds 16 rows of x and a block's
+#: weights serve every group of 16 from the caches, so up to this many rows still read the weights once; a tree
+#: verification of that many nodes then runs on a plain step's kernel (the same bits per row; thirty-ninth session)
+AMX_ROWS = 64
 
 _SOURCE = PRELUDE + r"""
 static inline float hsum(__m256 v) {

@@ -36,11 +36,13 @@ import torch
 from . import cpu_attention, cpu_gemv, cpu_verify
 from .native import AMX_BF16, AVX512_BF16, build, ptr
 
-__all__ = ["MAX_TOKENS", "argmax", "available", "eagle3_draft", "layer_table", "log_softmax", "rms_norm", "run_layers",
+__all__ = ["MAX_TOKENS", "MAX_TOKENS_AMX", "argmax", "available", "eagle3_draft", "layer_table", "log_softmax", "rms_norm", "run_layers",
            "supports", "unavailable_reason"]
 
 #: most new tokens per call: the few-row product's one pass (more go to the many-row kernel)
 MAX_TOKENS = cpu_gemv.MAX_ROWS
+#: most new tokens per call on the AMX products (the engine's verification of a larger tree, a short prompt)
+MAX_TOKENS_AMX = cpu_gemv.AMX_ROWS
 
 _LAYER = r"""
 /* the target's products: on the AMX tiles (weights from cpu_gemv.amx_pack) where the library is built
@@ -421,10 +423,12 @@ def available(amx: bool = False) -> bool:
     return _load(amx)[0] is not None
 
 
-def supports(hidden: int, intermediate: int, head_dim: int, dtype: torch.dtype, n: int) -> bool:
-    """Whether :func:`run_layers` takes ``n`` new tokens of layers of these sizes here."""
-    return (dtype == torch.bfloat16 and 1 <= n <= MAX_TOKENS and hidden % 32 == 0 and intermediate % 16 == 0
-            and head_dim % 32 == 0 and head_dim <= cpu_attention.MAX_HEAD_DIM and available())
+def supports(hidden: int, intermediate: int, head_dim: int, dtype: torch.dtype, n: int, amx: bool = False) -> bool:
+    """Whether :func:`run_layers` takes ``n`` new tokens of layers of these sizes here (``amx``: on the AMX
+    products, which take up to :data:`MAX_TOKENS_AMX`; else :data:`MAX_TOKENS`)."""
+    return (dtype == torch.bfloat16 and 1 <= n <= (MAX_TOKENS_AMX if amx else MAX_TOKENS) and hidden % 32 == 0
+            and intermediate % 16 == 0 and head_dim % 32 == 0 and head_dim <= cpu_attention.MAX_HEAD_DIM
+            and available(amx))
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:

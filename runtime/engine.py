@@ -217,10 +217,12 @@ def kernel_for(kernels: tuple[str, ...], rows: int) -> str:
     """The kernel of ``kernels`` (one-row, several-row[, many-row]) for a product of ``rows`` rows: the
     several-row kernel, except that a few-row kernel (:data:`FEW_ROW`) hands more than ``cpu_gemv.MAX_ROWS``
     rows (prefill, batched generation, large trees) to the many-row kernel: the third entry (the
-    engine's choice at 32 and 128 rows), else oneDNN where that is prepared, else ATen."""
+    engine's choice at 32 and 128 rows), else oneDNN where that is prepared, else ATen. AMX keeps up to
+    ``cpu_gemv.AMX_ROWS`` rows (one pass over the weights for them all): a tree of that many nodes is verified
+    on the plain steps' products, bit for bit, and in the layer kernel's one call."""
     if rows == 1:
         return kernels[0]
-    if kernels[1] not in FEW_ROW or rows <= cpu_gemv.MAX_ROWS:
+    if kernels[1] not in FEW_ROW or rows <= (cpu_gemv.AMX_ROWS if kernels[1] == "amx" else cpu_gemv.MAX_ROWS):
         return kernels[1]
     if len(kernels) > 2:
         return kernels[2]
@@ -238,7 +240,7 @@ def head_kernels(kernels: tuple[str, ...]) -> tuple[str, ...]:
 
 def kernels_used(kernels: tuple[str, ...]) -> set[str]:
     """Every kernel :func:`kernel_for` can pick from ``kernels`` (what to prepare weights for)."""
-    return set(kernels) | {kernel_for(kernels, cpu_gemv.MAX_ROWS + 1)}
+    return set(kernels) | {kernel_for(kernels, max(cpu_gemv.MAX_ROWS, cpu_gemv.AMX_ROWS) + 1)}
 
 
 #: a speculator head's few-row products with int8 weights (cpu_gemv.gemv_q8): a head's own, never a target's
@@ -662,7 +664,8 @@ class LlamaEngine:
 
     def _layer_table(self, B: int, n: int, tree_mask: torch.Tensor | None, kv: torch.Tensor) -> torch.Tensor | None:
         """The weight table of :func:`.cpu_layers.run_layers` when that runs this step (one sequence,
-        bf16, up to :data:`.cpu_layers.MAX_TOKENS` tokens on the AVX-512 BF16 or AMX products, a mask over the
+        bf16, up to :data:`.cpu_layers.MAX_TOKENS` tokens on the AVX-512 BF16 products or
+        :data:`.cpu_layers.MAX_TOKENS_AMX` on the AMX tiles, a mask over the
         new tokens only, no per-head Q/K norms), else None."""
         kernel = kernel_for(self.kernels, n)
         if not self.use_layer_kernel or B != 1 or kernel not in LAYER_KERNELS \
@@ -670,7 +673,7 @@ class LlamaEngine:
                 or kv.stride(-1) != 1 or kv.stride(-2) != kv.shape[-1]:
             return None
         if not cpu_layers.supports(self.embed.shape[1], self.layers[0]["w_down"].shape[1], self.head_dim,
-                                   self.dtype, n):
+                                   self.dtype, n, amx=kernel == "amx"):
             return None
         tables = self.__dict__.setdefault("_tables", {})
         table = tables.get(kernel)
@@ -756,8 +759,8 @@ class EngineTarget(TargetModel):
     def cost_curve(self, sizes=(1, 2, 4, 8, 9, 16, 32, 64), past: int = 256, reps: int = 2) -> dict[int, float]:
         """Measured forward cost of ``n`` new tokens relative to one, after ``past`` tokens
         (best of ``reps``), for the adaptive controller and the serving policy; measured once per
-        engine and thread count (~1 s here). 9 is measured because the few-row kernels hand more
-        than 8 rows to the many-row kernel: the products of 9 rows cost 1.2x those of 8 at 2 threads
+        engine and thread count (~1 s here). 9 is measured because the few-row kernels (AMX's from 65
+        rows) hand more than 8 rows to the many-row kernel: the products of 9 rows cost 1.2x those of 8 at 2 threads
         on a Zen 4 EPYC, a step interpolated between 8 and 16 hid (a serving step of 4 plain rows
         and one 5-token lookup chain was priced too cheap)."""
         engine = self._engine()

@@ -54,7 +54,7 @@ def test_gemv_refuses_weights_it_cannot_take():
 
 
 def test_engine_routes_rows_past_the_kernel_to_the_bulk_kernel():
-    from specfoundry.runtime.engine import kernel_for
+    from specfoundry.runtime.engine import kernel_for, kernels_used
 
     assert kernel_for(("avx2", "avx2"), 1) == "avx2"
     assert kernel_for(("avx2", "avx2"), cpu_gemv.MAX_ROWS) == "avx2"
@@ -62,6 +62,12 @@ def test_engine_routes_rows_past_the_kernel_to_the_bulk_kernel():
     assert kernel_for(("onednn", "avx2"), 64) == "onednn"
     assert kernel_for(("gemv_t", "avx2", "onednn"), 9) == "onednn" and kernel_for(("gemv_t", "avx2", "aten"), 9) == "aten"
     assert kernel_for(("gemv_t", "onednn"), 64) == "onednn" and kernel_for(("gemv_t", "onednn"), 1) == "gemv_t"
+    # AMX keeps up to AMX_ROWS rows (a larger tree verified on a plain step's products); more go to the bulk kernel
+    amx = ("amx", "amx", "onednn")
+    assert [kernel_for(amx, n) for n in (1, cpu_gemv.MAX_ROWS + 1, cpu_gemv.AMX_ROWS, cpu_gemv.AMX_ROWS + 1)] == \
+        ["amx", "amx", "amx", "onednn"]
+    assert kernel_for(("avx512bf16", "avx512bf16", "amx"), cpu_gemv.MAX_ROWS + 1) == "amx"  # (a head's: its bulk)
+    assert kernels_used(("amx", "amx")) == {"amx", "aten"}  # what the many-row products need is prepared
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

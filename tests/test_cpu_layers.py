@@ -74,7 +74,9 @@ def test_engine_step_equals_the_op_by_op_forward(monkeypatch, arch, shape, kerne
         cache.commit()
         out = target.forward(toks, cache, position_ids=pos, tree_mask=mask, feature_layers=(0, 2, 3))
         outs[on] = (out.logits.float(), out.features.float(), cache.kv[..., 40: 40 + n, :].float())
-    assert calls == [n]  # the kernel ran the step (not the 40-token prefill), and only with it on
+    # the kernel ran the step, and only with it on; the 40-token prefill too on the AMX products (up to
+    # MAX_TOKENS_AMX tokens there), not on AVX-512 BF16's
+    assert calls == ([40, n] if kernels == AMX else [n])
     (la, fa, ka), (lb, fb, kb) = outs[False], outs[True]
     # bf16 rounding: a value may differ in its last bit (the norm's sum order, SiLU's exponential)
     assert (la - lb).abs().max() <= 0.02 * la.abs().max()
@@ -348,6 +350,10 @@ def test_bad_inputs_are_refused():
                               keys_t=(small, 0))
     assert not cpu_layers.supports(128, 256, 32, torch.float32, 1)
     assert not cpu_layers.supports(128, 256, 32, torch.bfloat16, cpu_layers.MAX_TOKENS + 1)
+    # on the AMX products (where they run) up to MAX_TOKENS_AMX new tokens
+    assert cpu_layers.supports(128, 256, 32, torch.bfloat16, cpu_layers.MAX_TOKENS_AMX, amx=True) == \
+        cpu_layers.available(amx=True)
+    assert not cpu_layers.supports(128, 256, 32, torch.bfloat16, cpu_layers.MAX_TOKENS_AMX + 1, amx=True)
     assert not cpu_layers.supports(100, 256, 32, torch.bfloat16, 1)
 
 
@@ -742,8 +748,9 @@ def test_greedy_speculation_equals_plain_on_the_amx_layer_kernel(monkeypatch):
     target = _target(kernels=AMX)
     calls = _spy(monkeypatch)
     assert_greedy_speculation_is_plain(target, [("ngram", {}), ("eagle3", {"tree": "chain", "depth": 3}),
-                                                ("eagle3", {"depth": 3, "total_tokens": 8})], vocab=96)
-    assert 1 in calls and max(calls) > 1
+                                                ("eagle3", {"depth": 3, "total_tokens": 8}),
+                                                ("eagle3", {"depth": 4, "total_tokens": 24})], vocab=96)
+    assert 1 in calls and max(calls) > cpu_layers.MAX_TOKENS  # (trees of up to 24 nodes in one C call)
     # the heads' own few-row products stay on the AVX-512 BF16 kernel (their weights are read from the
     # caches); a pass over a prompt's pairs takes the tiles
     head = load_drafter("eagle3", target=target).head
@@ -773,11 +780,13 @@ def test_a_heads_many_row_products_take_the_tiles_where_its_sizes_allow():
 
 
 @needs_amx
+@pytest.mark.parametrize("nodes", [7, 24])  # 24: past MAX_TOKENS (AVX-512 BF16's limit), one C call on AMX
 @pytest.mark.parametrize("head_dim", [64, 128])  # 2 and 4 tile products per block of scores
-def test_amx_layer_kernel_gives_each_tree_node_its_plain_steps_bits(head_dim):
+def test_amx_layer_kernel_gives_each_tree_node_its_plain_steps_bits(head_dim, nodes):
     # the AMX build scores the attention on the tiles: a node's logits in a verification must be the
     # bits of plain steps along its path (its ancestors then itself), and close to the op-by-op forward;
-    # scores summed in another order for plain steps than for verifications fail here
+    # scores summed in another order for plain steps than for verifications fail here, and so does a
+    # tree larger than MAX_TOKENS handed to the many-row products and PyTorch's ops
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -792,8 +801,8 @@ def test_amx_layer_kernel_gives_each_tree_node_its_plain_steps_bits(head_dim):
     target = wrap_target(model, name=f"tiny-d{head_dim}", backend="engine")
     target.engine = LlamaEngine(target.model, kernels=AMX)
     g = torch.Generator().manual_seed(3)
-    prefix, toks = torch.randint(0, 96, (1, 37), generator=g), torch.randint(0, 96, (1, 7), generator=g)
-    parents = [-1, 0, 0, 1, 1, 2, 4]
+    prefix, toks = torch.randint(0, 96, (1, 37), generator=g), torch.randint(0, 96, (1, nodes), generator=g)
+    parents = [-1, 0, 0, 1, 1, 2, 4] if nodes == 7 else [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, nodes)]
     P = torch.tensor([parents])
 
     def verify(layer_kernel):
@@ -805,8 +814,10 @@ def test_amx_layer_kernel_gives_each_tree_node_its_plain_steps_bits(head_dim):
 
     ref = verify(False).float()
     logits = verify(True)  # (the layer kernel stays on for the plain steps below)
-    assert (logits.float() - ref).abs().max() <= 0.02 * ref.abs().max()
-    for node in range(7):
+    # (bf16 roundings in another order, amplified by K's 20 binades: 24 nodes measured 2.1% at most, 0.45% on average)
+    err = (logits.float() - ref).abs()
+    assert err.max() <= 0.03 * ref.abs().max() and err.mean() <= 0.01 * ref.abs().mean()
+    for node in range(nodes):
         path, i = [], node
         while i >= 0:
             path.insert(0, i)
