@@ -1,5 +1,5 @@
-"""A few-row matrix product for x86 CPUs: ``y = x @ w.T`` for 1-8 rows of ``x``, each weight row
-read once for all of them: with AVX2+FMA (the engine's ``"avx2"`` kernel, bf16 or fp32 weights), with
+"""A few-row matrix product for x86 CPUs: ``y = x @ w.T`` for 1-8 rows of ``x`` (up to :data:`AMX_ROWS`
+on the AMX tiles), each weight row read once for all of them: with AVX2+FMA (the engine's ``"avx2"`` kernel, bf16 or fp32 weights), with
 AVX-512 BF16 (``"avx512bf16"``, bf16 only: :func:`gemv_bf16`), on AMX tiles (:func:`gemv_amx`), and
 with int8 weights for speculator heads (:func:`gemv_q8`).
 
@@ -42,7 +42,9 @@ prefetch below); with x as the A tile (thirty-sixth session; before, x^T was the
 call, and each output stored alone) 5 rows cost 1.0-1.1x one row in cache instead of 1.3-1.7x. Numerics:
 each output is the tile product's fp32 sum in its fixed order (denormals flushed), whatever the row
 and thread count, so plain steps and verifications agree bit for bit when both run on it; its sums
-differ from the AVX-512 kernel's in the last bits, so the engine never mixes the two for one model.
+differ from the AVX-512 kernel's in the last bits, so the engine never mixes the two for one model. The
+engine keeps products of up to :data:`AMX_ROWS` rows on it (trees of that many nodes, short prompts:
+one pass over the weights serves every group of 16 rows).
 
 The int8 kernel (:func:`gemv_q8`, weights from :func:`q8_pack`; a speculator head's drafting products only,
 never a target's: ``PreparedLinears(int8=True)``) reads half the bytes of the bf16 one: one int8 weight row
@@ -538,7 +540,7 @@ static inline __m256i bf16x16(__m512 f) {
 
 /* one group of rows of x (A tile A, configured for its row count) times a block pair's B tiles (2, 3) into
    the C tiles C0 and C1, then stored to cb: a macro because the tile intrinsics take their tile numbers as
-   constants */
+   constants (it reads sf_gemv_amx's nkb, pf, g, wb, xg, in and cb) */
 #define SF_AMX_GROUP(C0, C1, A)                                                                                  \
     do {                                                                                                         \
         _tile_zero(C0);                                                                                          \

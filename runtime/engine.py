@@ -598,7 +598,8 @@ class LlamaEngine:
             one = "amx" if several == "amx" else best_of([k for k in candidates if k != "amx"], (1,))[0]
         if several not in FEW_ROW:
             return (one, several)
-        # products of more rows than a few-row kernel takes in one pass (prefill, batched generation, big trees):
+        # products of more rows than a few-row kernel takes in one pass (prefill, batched generation, big trees;
+        # with AMX only past cpu_gemv.AMX_ROWS, see kernel_for):
         # the fastest at 32 and 128 rows (batched serving steps, prefill chunks), the few-row kernel
         # included (it then runs them MAX_ROWS at a time; with ATen's emulated bf16 as the alternative
         # avx2 was 4x faster here); at 32 rows alone avx512bf16 and oneDNN were within the noise of two
