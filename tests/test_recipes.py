@@ -307,8 +307,24 @@ def test_prompt_source_dicts_fit_the_prompt_loader():
     r = load_recipe("eagle-llama3-70b")
     hub, magpie = prompt_source_dicts(r)
     assert hub == {"source": "hub", "name": "HuggingFaceH4/ultrachat_200k", "subset": None, "split": "train_sft",
-                   "limit": 120000}
+                   "limit": 120000, "shuffle": False}
     assert magpie["topics"] is None and magpie["count"] == 20000 and magpie["dtype"] == "bf16"
+
+
+def test_a_file_source_can_sample_its_limit_at_random(tmp_path):
+    from specfoundry.train.prompts import load_prompts
+
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(40)))
+    first, sampled = (recipe_from_dict({"method": "eagle3", "training": {"max_steps": 1}, "data": {
+        "eval_prompts": 1, "prompts": [{"source": "file", "path": str(f), "limit": 5, **extra}]}})
+        for extra in ({}, {"shuffle": True}))
+    assert load_prompts(prompt_source_dicts(first)) == [f"question {i}" for i in range(5)]
+    got = load_prompts(prompt_source_dicts(sampled), seed=3)
+    assert len(set(got)) == 5 and got != [f"question {i}" for i in range(5)]
+    assert got == load_prompts(prompt_source_dicts(sampled), seed=3)  # seeded: the same sample every run
+    with pytest.raises(RecipeError, match="shuffle"):
+        recipe_from_dict({"method": "eagle3", "data": {"prompts": [{"source": "file", "path": "x", "shuffle": "no"}]}})
 
 
 def test_launch_args():

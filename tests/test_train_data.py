@@ -224,6 +224,32 @@ def test_self_distill_resumes_after_a_kill_without_recomputing(tiny_target, tmp_
     assert report.reused == 0
 
 
+
+def test_self_distill_reuses_every_prompt_answered_before_when_the_list_changes(tiny_target, tmp_path, monkeypatch):
+    # a recipe that gains prompts (and so moves others between the held-out and training splits)
+    # used to recompute every chunk after the first change; only new prompts are generated now
+    prompts = [" ".join(str(5 + (i * 7 + j) % 50) for j in range(3 + i % 4)) for i in range(10)]
+    cfg = {"max_new_tokens": 6, "temperature": 0.0, "batch_size": 3, "chunk_size": 4}
+    first = self_distill(prompts, tiny_target, responses_cfg=cfg, cache_dir=tmp_path, seed=7)
+    answers = dict(zip(first["prompt"], first["response_ids"]))
+
+    calls = _count_generate_calls(monkeypatch)
+    grown = ["9 9 9", "8 8"] + prompts[:3] + prompts[4:] + ["7 7 7 7"]  # new at both ends, one dropped
+    report = ChunkReport()
+    again = self_distill(grown, tiny_target, responses_cfg=cfg, cache_dir=tmp_path, seed=7, report=report)
+    assert calls == [3]  # the three new prompts, in one chunk
+    assert (report.computed, report.items_reused) == (1, 9) and report.reused == 3
+    assert again["prompt"] == grown
+    assert all(again["response_ids"][i] == answers[p] for i, p in enumerate(grown) if p in answers)
+
+    # out of time for the new ones: the reused prompts come back alone, in the list's order
+    calls.clear()
+    report = ChunkReport()
+    partial = self_distill(["1 2 3"] + prompts[::-1], tiny_target, responses_cfg=cfg, cache_dir=tmp_path, seed=7,
+                           report=report, deadline=time.time() - 1)
+    assert calls == [] and report.skipped == 1 and partial["prompt"] == prompts[::-1]
+
+
 def test_eval_split_is_deterministic_disjoint_and_stable():
     prompts = [f"prompt {i}" for i in range(40)]
     train, held = tdata.split_eval(prompts, 8, seed=3)

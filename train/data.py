@@ -75,9 +75,8 @@ def split_eval(prompts: list[str], eval_prompts, seed: int) -> tuple[list[str], 
     an explicit list of prompt strings, which are then removed from training).
 
     The held-out prompts are those with the smallest ``hash(seed, prompt)``, and both lists keep
-    the input order: adding prompts later moves few prompts between the splits and leaves the
-    response chunks of the unchanged prefix valid in the cache (a shuffle would reshuffle them
-    all; the trainer shuffles batches anyway)."""
+    the input order: adding prompts later moves few prompts between the splits (the responses
+    cache reuses every prompt answered before in any case; the trainer shuffles batches anyway)."""
     prompts = list(prompts)
     if isinstance(eval_prompts, (list, tuple)):
         held = list(eval_prompts)
@@ -141,7 +140,8 @@ def build_dataset(prompt_sources: list[dict], target, *, responses_cfg: dict | N
     report = ChunkReport()
     distilled = self_distill(fits, target, responses_cfg=responses_cfg, cache_dir=cache_dir, seed=seed, report=report,
                              deadline=deadline)
-    _log(f"response chunks: {report.computed} generated, {report.reused} reused from {cache_dir}"
+    _log(f"response chunks: {report.computed} generated, {report.reused} reused ({report.items_reused} prompts "
+         f"answered before) from {cache_dir}"
          + (f", {report.skipped} skipped (max_minutes={max_minutes} reached)" if report.skipped else ""))
 
     # a plain list: a datasets Column would be hashed by its truncated repr (its first 5 prompts),

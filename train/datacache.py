@@ -4,7 +4,8 @@ Scope: :func:`stable_hash` and :func:`model_fingerprint` (what cache keys are ma
 dtype names the caches record (:func:`resolve_dtype`, :func:`dtype_name`), :class:`GenStats`
 (token counts and time of generation), and :func:`cached_chunks`: computing a list chunk by
 chunk into ``datasets`` shards named by the hash of what determines them, so a killed run
-resumes where it stopped and a changed input recomputes only the chunks that changed. Shards
+resumes where it stopped and a changed input recomputes only the chunks that changed (or, keyed
+by item, only the items never computed). Shards
 are written through the one atomic directory writer (:mod:`specfoundry.runtime.atomic`).
 """
 
@@ -103,11 +104,12 @@ class ChunkReport:
     skipped: int = 0  # not computed: it would have ended past the deadline
     stats: GenStats = field(default_factory=GenStats)
     last_seconds: float = 0.0  # wall time of the last chunk computed (the next one's estimate)
+    items_reused: int = 0  # with item_column: items taken from shards of earlier chunkings
 
 
 def cached_chunks(root: Path | None, items: list, chunk_size: int, key_base: dict,
                   compute: Callable[[list, int], dict[str, list]], desc: str = "chunks",
-                  report: ChunkReport | None = None, deadline: float | None = None):
+                  report: ChunkReport | None = None, deadline: float | None = None, item_column: str | None = None):
     """Apply ``compute(chunk, seed) -> columns`` to ``items`` chunk by chunk, saving each chunk as a
     ``datasets`` shard in ``root/chunk-<hash>`` (hash of ``key_base`` + the chunk's items). Done
     chunks are loaded instead of recomputed, so an interrupted run resumes; a shard appears by an
@@ -115,15 +117,22 @@ def cached_chunks(root: Path | None, items: list, chunk_size: int, key_base: dic
     starts only while it is expected to end by ``deadline`` (a ``time.time()`` value; the estimate
     is ``report.last_seconds``, the previous chunk's time, so pass one report across calls whose
     chunks cost alike); cached ones are still used.
-    Returns the concatenated ``datasets.Dataset`` of the chunks available (None if none)."""
+    ``item_column``: the column that holds each row's item (one row per item); then any item found
+    in any done shard under ``root`` is reused whatever chunk it was computed in, and only the
+    others are chunked and computed, so a list that grew, shrank or moved keeps its done rows
+    (positional chunks alone would recompute every chunk after the first change).
+    Returns the concatenated ``datasets.Dataset`` of the chunks available (None if none); with
+    ``item_column``, one row per available item in ``items``' order."""
     from datasets import Dataset, concatenate_datasets, load_from_disk
     from tqdm.auto import tqdm
 
     report = report if report is not None else ChunkReport()
     parts = []
-    chunks = [items[i:i + chunk_size] for i in range(0, len(items), chunk_size)]
     if root is not None:
         root.mkdir(parents=True, exist_ok=True)
+    done = _done_items(root, item_column) if root is not None and item_column is not None else {}
+    todo = [x for x in items if x not in done] if done else items
+    chunks = [todo[i:i + chunk_size] for i in range(0, len(todo), chunk_size)]
     for chunk in tqdm(chunks, desc=desc, unit="chunk", disable=len(chunks) <= 1):
         key = stable_hash(key_base, chunk)
         d = root / f"chunk-{key[:20]}" if root is not None else None
@@ -146,6 +155,48 @@ def cached_chunks(root: Path | None, items: list, chunk_size: int, key_base: dic
         else:
             report.reused += 1
         parts.append(load_from_disk(str(d)))
+    if done:
+        return _gather(items, done, parts, item_column, report)
     if not parts:
         return None
     return concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def _done_items(root: Path, column: str) -> dict:
+    """item -> (shard directory, row) over the complete shards under ``root`` (first one wins)."""
+    from datasets import load_from_disk
+
+    found: dict = {}
+    for d in sorted(root.glob("chunk-*")):
+        if (d / "dataset_info.json").exists():
+            for row, item in enumerate(load_from_disk(str(d))[column]):
+                found.setdefault(item, (d, row))
+    return found
+
+
+def _gather(items: list, done: dict, new_parts: list, column: str, report: ChunkReport):
+    """One row per item available (reused from ``done`` or in the shards just made), in ``items``' order."""
+    from datasets import concatenate_datasets, load_from_disk
+
+    shards: dict = {}  # shard directory -> (dataset, offset in the concatenation)
+    where: dict = {}
+    offset = 0
+    for ds in new_parts:
+        for row, item in enumerate(ds[column]):
+            where.setdefault(item, (ds, row))
+    used = []
+    for item in items:
+        src, row = where[item] if item in where else done.get(item, (None, None))
+        if src is None:
+            continue  # its chunk was skipped by the deadline
+        k = id(src) if not isinstance(src, Path) else src
+        if k not in shards:
+            shards[k] = (src if not isinstance(src, Path) else load_from_disk(str(src)), offset)
+            offset += len(shards[k][0])
+        used.append(shards[k][1] + row)
+    report.items_reused += sum(1 for x in items if x in done)
+    report.reused += sum(1 for k in shards if isinstance(k, Path))
+    if not used:
+        return None
+    parts = [ds for ds, _ in shards.values()]
+    return (concatenate_datasets(parts) if len(parts) > 1 else parts[0]).select(used)

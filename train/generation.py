@@ -432,7 +432,8 @@ def self_distill(prompts: Sequence[str], target, *, responses_cfg: dict | None =
     ``dtype`` (generation dtype; None = the target's),
     ``chunk_size`` (prompts per cached shard), ``system`` (system message; None = template
     default). Past ``deadline`` (``time.time()``) no new chunk starts: the result then covers
-    only the prompts of the chunks done (``report.skipped`` counts the others)."""
+    only the prompts of the chunks done (``report.skipped`` counts the others). A prompt answered
+    before with the same configuration is reused, whatever the list it came in."""
     cfg = {**DEFAULT_RESPONSES, **(responses_cfg or {})}
     unknown = set(cfg) - set(DEFAULT_RESPONSES)
     if unknown:
@@ -459,7 +460,7 @@ def self_distill(prompts: Sequence[str], target, *, responses_cfg: dict | None =
                 "response": [chat.decode(r) for r in new], "finished": fin}
 
     ds = cached_chunks(Path(cache_dir) / "responses" / stable_hash(key_base)[:16], list(prompts), cfg["chunk_size"],
-                       key_base, compute, desc="self-distill", report=report, deadline=deadline)
+                       key_base, compute, desc="self-distill", report=report, deadline=deadline, item_column="prompt")
     if report.stats.seconds:
         _log(f"self-distillation ({dtype_name(gen_dtype)}, batch {cfg['batch_size']}): {report.stats.summary()}")
     return ds

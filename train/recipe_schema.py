@@ -232,6 +232,9 @@ class FilePrompts(_Section):
     path: Str = Field()
     # first N usable records (None: all)
     limit: int | None = Field(None, ge=1)
+    # take `limit` records at random (seeded by the recipe's data seed) instead of the first:
+    # for files sorted by language, length or topic
+    shuffle: bool = False
 
 
 class HubPrompts(_Section):
@@ -243,6 +246,8 @@ class HubPrompts(_Section):
     split: Str = "train"
     # first N usable records (None: all)
     limit: int | None = Field(None, ge=1)
+    # take `limit` records at random (seeded by the recipe's data seed) instead of the first
+    shuffle: bool = False
 
 
 PROMPT_SOURCES: dict[str, type] = {"magpie": MagpiePrompts, "file": FilePrompts, "hub": HubPrompts}
