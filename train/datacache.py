@@ -178,7 +178,7 @@ def _gather(items: list, done: dict, new_parts: list, column: str, report: Chunk
     """One row per item available (reused from ``done`` or in the shards just made), in ``items``' order."""
     from datasets import concatenate_datasets, load_from_disk
 
-    shards: dict = {}  # shard directory -> (dataset, offset in the concatenation)
+    shards: dict = {}  # a done shard's directory (or id() of one just made) -> (dataset, its offset)
     where: dict = {}
     offset = 0
     for ds in new_parts:

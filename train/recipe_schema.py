@@ -232,8 +232,8 @@ class FilePrompts(_Section):
     path: Str = Field()
     # first N usable records (None: all)
     limit: int | None = Field(None, ge=1)
-    # take `limit` records at random (seeded by the recipe's data seed) instead of the first:
-    # for files sorted by language, length or topic
+    # take `limit` records at random (seeded by training.seed) instead of the first: for files
+    # sorted by language, length or topic
     shuffle: bool = False
 
 
@@ -246,7 +246,7 @@ class HubPrompts(_Section):
     split: Str = "train"
     # first N usable records (None: all)
     limit: int | None = Field(None, ge=1)
-    # take `limit` records at random (seeded by the recipe's data seed) instead of the first
+    # take `limit` records at random (seeded by training.seed) instead of the first
     shuffle: bool = False
 
 
