@@ -1,7 +1,7 @@
 """A few-row matrix product for x86 CPUs: ``y = x @ w.T`` for 1-8 rows of ``x`` (up to :data:`AMX_ROWS`
-on the AMX tiles), each weight row read once for all of them: with AVX2+FMA (the engine's ``"avx2"`` kernel, bf16 or fp32 weights), with
-AVX-512 BF16 (``"avx512bf16"``, bf16 only: :func:`gemv_bf16`), on AMX tiles (:func:`gemv_amx`), and
-with int8 weights for speculator heads (:func:`gemv_q8`).
+on the AMX tiles), each weight row read once for all of them: with AVX2+FMA (the engine's ``"avx2"``
+kernel, bf16 or fp32 weights), with AVX-512 BF16 (``"avx512bf16"``, bf16 only: :func:`gemv_bf16`), on
+AMX tiles (:func:`gemv_amx`), and with int8 weights for speculator heads (:func:`gemv_q8`).
 
 Why: on a CPU the target's matrix products for a decode step or a small verification are
 weight-streaming work, but the library kernels treat a few rows as a GEMM. Measured on a 2-core

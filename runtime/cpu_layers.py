@@ -36,8 +36,8 @@ import torch
 from . import cpu_attention, cpu_gemv, cpu_verify
 from .native import AMX_BF16, AVX512_BF16, build, ptr
 
-__all__ = ["MAX_TOKENS", "MAX_TOKENS_AMX", "argmax", "available", "eagle3_draft", "layer_table", "log_softmax", "rms_norm", "run_layers",
-           "supports", "unavailable_reason"]
+__all__ = ["MAX_TOKENS", "MAX_TOKENS_AMX", "argmax", "available", "eagle3_draft", "layer_table", "log_softmax",
+           "rms_norm", "run_layers", "supports", "unavailable_reason"]
 
 #: most new tokens per call: the few-row product's one pass (more go to the many-row kernel)
 MAX_TOKENS = cpu_gemv.MAX_ROWS

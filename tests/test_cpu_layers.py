@@ -802,7 +802,8 @@ def test_amx_layer_kernel_gives_each_tree_node_its_plain_steps_bits(head_dim, no
     target.engine = LlamaEngine(target.model, kernels=AMX)
     g = torch.Generator().manual_seed(3)
     prefix, toks = torch.randint(0, 96, (1, 37), generator=g), torch.randint(0, 96, (1, nodes), generator=g)
-    parents = [-1, 0, 0, 1, 1, 2, 4] if nodes == 7 else [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, nodes)]
+    parents = [-1, 0, 0, 1, 1, 2, 4] if nodes == 7 else \
+        [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, nodes)]
     P = torch.tensor([parents])
 
     def verify(layer_kernel):

@@ -130,7 +130,13 @@ def cached_chunks(root: Path | None, items: list, chunk_size: int, key_base: dic
     parts = []
     if root is not None:
         root.mkdir(parents=True, exist_ok=True)
-    done = _done_items(root, item_column) if root is not None and item_column is not None else {}
+    shards: list = []  # with item_column: the done shards under root, then the ones made now
+    done: dict = {}  # item -> (its shard's index in shards, row)
+    if root is not None and item_column is not None:
+        for d in sorted(root.glob("chunk-*")):
+            if (d / "dataset_info.json").exists():
+                _index(shards, done, load_from_disk(str(d)), item_column)
+    n_old = len(shards)
     todo = [x for x in items if x not in done] if done else items
     chunks = [todo[i:i + chunk_size] for i in range(0, len(todo), chunk_size)]
     for chunk in tqdm(chunks, desc=desc, unit="chunk", disable=len(chunks) <= 1):
@@ -156,47 +162,34 @@ def cached_chunks(root: Path | None, items: list, chunk_size: int, key_base: dic
             report.reused += 1
         parts.append(load_from_disk(str(d)))
     if done:
-        return _gather(items, done, parts, item_column, report)
+        for ds in parts:
+            _index(shards, done, ds, item_column)
+        return _gather(items, shards, done, n_old, report)
     if not parts:
         return None
     return concatenate_datasets(parts) if len(parts) > 1 else parts[0]
 
 
-def _done_items(root: Path, column: str) -> dict:
-    """item -> (shard directory, row) over the complete shards under ``root`` (first one wins)."""
-    from datasets import load_from_disk
-
-    found: dict = {}
-    for d in sorted(root.glob("chunk-*")):
-        if (d / "dataset_info.json").exists():
-            for row, item in enumerate(load_from_disk(str(d))[column]):
-                found.setdefault(item, (d, row))
-    return found
+def _index(shards: list, found: dict, ds, column: str) -> None:
+    """Append ``ds`` to ``shards`` and map each of its items to (that index, row); the first shard wins."""
+    shards.append(ds)
+    for row, item in enumerate(ds[column]):
+        found.setdefault(item, (len(shards) - 1, row))
 
 
-def _gather(items: list, done: dict, new_parts: list, column: str, report: ChunkReport):
-    """One row per item available (reused from ``done`` or in the shards just made), in ``items``' order."""
-    from datasets import concatenate_datasets, load_from_disk
+def _gather(items: list, shards: list, found: dict, n_old: int, report: ChunkReport):
+    """One row per item of ``items`` found in ``shards`` (those of a chunk the deadline skipped are not), in
+    ``items``' order; the first ``n_old`` shards are the reused ones."""
+    from datasets import concatenate_datasets
 
-    shards: dict = {}  # a done shard's directory (or id() of one just made) -> (dataset, its offset)
-    where: dict = {}
-    offset = 0
-    for ds in new_parts:
-        for row, item in enumerate(ds[column]):
-            where.setdefault(item, (ds, row))
-    used = []
-    for item in items:
-        src, row = where[item] if item in where else done.get(item, (None, None))
-        if src is None:
-            continue  # its chunk was skipped by the deadline
-        k = id(src) if not isinstance(src, Path) else src
-        if k not in shards:
-            shards[k] = (src if not isinstance(src, Path) else load_from_disk(str(src)), offset)
-            offset += len(shards[k][0])
-        used.append(shards[k][1] + row)
-    report.items_reused += sum(1 for x in items if x in done)
-    report.reused += sum(1 for k in shards if isinstance(k, Path))
-    if not used:
+    picked = [found[x] for x in items if x in found]
+    report.items_reused += sum(1 for s, _ in picked if s < n_old)
+    report.reused += len({s for s, _ in picked if s < n_old})
+    if not picked:
         return None
-    parts = [ds for ds, _ in shards.values()]
-    return (concatenate_datasets(parts) if len(parts) > 1 else parts[0]).select(used)
+    used = sorted({s for s, _ in picked})
+    offset, start = 0, {}
+    for s in used:
+        start[s], offset = offset, offset + len(shards[s])
+    parts = [shards[s] for s in used]
+    return (concatenate_datasets(parts) if len(parts) > 1 else parts[0]).select([start[s] + r for s, r in picked])
