@@ -185,6 +185,11 @@ def _avx512bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     return F.linear(x, w, b)
 
 
+def _fp32(x: torch.Tensor, w32: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    # bf16 activations and weights widen exactly; the sums are MKL's fp32 GEMM's, rounded back to x's dtype
+    return F.linear(x.float(), w32, None if b is None else b.float()).to(x.dtype)
+
+
 # name -> (prepare a weight [out, in] once, apply(x, prepared, bias)); "aten" keeps the HF tensor
 KERNELS = {
     "aten": (lambda w: w, F.linear),
@@ -197,6 +202,10 @@ KERNELS = {
     # the same products on Intel's AMX tiles (cpu_gemv.gemv_amx): bf16 weights packed in its tile
     # layout, every target matrix's sizes multiples of 32; offered only where they all are
     "amx": (cpu_gemv.amx_pack, cpu_gemv.gemv_amx),
+    # bf16 weights widened once to fp32 copies (twice their bytes), products by MKL's fp32 GEMM: a
+    # many-row candidate only (prefill, batched generation), where bf16's own GEMMs run on vdpbf16ps at
+    # half a zmm FMA's rate (an Intel Xeon without AMX: 64 rows 1.5x faster, forty-first session)
+    "fp32": (lambda w: w.float().contiguous(), _fp32),
 }
 
 #: environment variable naming the layer kernel's products (``avx512bf16``, ``amx``) instead of the
@@ -573,10 +582,15 @@ class LlamaEngine:
             xs = [torch.randn(rows, m.shape[1], dtype=self.dtype) for m in mats]
             return best_seconds(lambda: [apply(x, p) for x, p in zip(xs, candidates[name])], 1, warm=False)
 
-        def best_of(names: list[str], sizes: tuple[int, ...]) -> tuple[str, dict]:
+        def best_of(names: list[str], sizes: tuple[int, ...], warm: bool = False) -> tuple[str, dict]:
             # two rounds over the candidates in turn (a machine that slows mid-measurement slows them
             # all; the first round also pays any lazy set-up), each one's best per size, summed over the
-            # sizes; after the first round only those within 2x of the best go on
+            # sizes; after the first round only those within 2x of the best go on. warm: an untimed
+            # pass first (MKL's and oneDNN's first GEMMs of a shape cost a set-up that made the first
+            # round drop the fastest many-row kernel, or pick another, on three loads in a row here)
+            for k in names if warm else ():
+                for r in sizes:
+                    cost(k, r)
             best = {(k, r): float("inf") for k in names for r in sizes}
             for _ in range(2):
                 for k in names:
@@ -606,7 +620,19 @@ class LlamaEngine:
         # rounds, and the mis-pick cost 1.3-1.7x on prefill
         # (oneDNN always among them: it can fall out of the few-row round, within 2x of it at 2-8 rows)
         bulk = [k for k in candidates if k in costs or k == "onednn"]
-        return (one, several, best_of(bulk, (32, 128))[0])
+        if self._fp32_bulk_fits():
+            candidates["fp32"] = [KERNELS["fp32"][0](m) for m in mats]
+            bulk.append("fp32")
+        return (one, several, best_of(bulk, (32, 128), warm=True)[0])
+
+    def _fp32_bulk_fits(self) -> bool:
+        """Whether the many-row products may take fp32 copies of a bf16 model's matrices (:data:`KERNELS`
+        ``"fp32"``): twice the matrices' bytes, offered only where that is under a quarter of free memory."""
+        if self.dtype != torch.bfloat16:
+            return False
+        free = native.available_memory()
+        size = sum(w[k].numel() * 4 for w in self._matrix_holders() for k in _MATRICES if k in w)
+        return free is not None and 4 * size < free
 
     def new_cache(self, batch: int = 1, capacity: int = 1024) -> StaticKVCache:
         return StaticKVCache(self.num_layers, self.hkv, self.head_dim, batch=batch, capacity=capacity,

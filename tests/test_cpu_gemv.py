@@ -68,11 +68,15 @@ def test_engine_routes_rows_past_the_kernel_to_the_bulk_kernel():
         ["amx", "amx", "amx", "onednn"]
     assert kernel_for(("avx512bf16", "avx512bf16", "amx"), cpu_gemv.MAX_ROWS + 1) == "amx"  # (a head's: its bulk)
     assert kernels_used(("amx", "amx")) == {"amx", "aten"}  # what the many-row products need is prepared
+    bf16_fp32 = ("avx512bf16", "avx512bf16", "fp32")
+    assert [kernel_for(bf16_fp32, n) for n in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1)] == \
+        ["avx512bf16", "avx512bf16", "fp32"] and kernels_used(bf16_fp32) == {"avx512bf16", "fp32"}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_speculative_greedy_equals_plain_on_the_avx2_kernel(dtype):
-    # the kernel forced for every row count (chains/trees verify through it, prefill in passes of 8):
+@pytest.mark.parametrize("dtype,bulk", [(torch.float32, "avx2"), (torch.bfloat16, "avx2"), (torch.bfloat16, "fp32")])
+def test_speculative_greedy_equals_plain_on_the_avx2_kernel(dtype, bulk):
+    # the kernel forced for every row count (chains/trees verify through it, prefill in passes of 8), or
+    # for 1-8 rows with the 18-token prompts' prefill on the fp32 copies (engine KERNELS "fp32"):
     # speculative greedy output must be the plain greedy output token for token
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -84,7 +88,8 @@ def test_speculative_greedy_equals_plain_on_the_avx2_kernel(dtype):
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     model = LlamaForCausalLM(cfg).eval().to(dtype)
     target = EngineTarget(model)
-    target.engine = LlamaEngine(model, kernels=("avx2", "avx2", "avx2"))
+    target.engine = LlamaEngine(model, kernels=("avx2", "avx2", bulk))
+    assert any(k.endswith("@" + bulk) for k in target.engine.layers[0])  # its weights prepared
     g = torch.Generator().manual_seed(3)
     for source, opts in (("ngram", {}), ("eagle3", {"tree": "chain", "depth": 3}), ("eagle3", {"depth": 3})):
         gen = SpeculativeGenerator(target, load_drafter(source, target=target, **opts), adaptive=False)

@@ -479,6 +479,33 @@ def test_onednn_products_run_on_a_bounded_set_of_row_counts():
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+def test_fp32_many_row_products_widen_bf16_and_are_offered_only_where_their_copies_fit(monkeypatch):
+    """KERNELS["fp32"]: a bf16 model's matrices widened once, products in fp32, outputs rounded back to
+    the activations' dtype; the engine offers it as a many-row candidate only for bf16 models whose fp32
+    copies take under a quarter of free memory."""
+    from specfoundry.runtime import engine as E
+    from specfoundry.runtime import native
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(48, 40, generator=g).to(torch.bfloat16), torch.randn(48, generator=g).to(torch.bfloat16)
+    prepared = KERNELS["fp32"][0](w)
+    assert prepared.dtype == torch.float32 and torch.equal(prepared.to(torch.bfloat16), w)  # widening is exact
+    x = torch.randn(2, 37, 40, generator=g).to(torch.bfloat16)
+    y = KERNELS["fp32"][1](x, prepared, b)
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 37, 48)
+    torch.testing.assert_close(y.double(), ref, rtol=2 ** -8, atol=1e-6)  # one bf16 rounding of a float sum
+    kernels = ("aten", "aten")
+    bf16 = LlamaEngine(tiny_llama(0, dtype=torch.bfloat16).model, kernels=kernels)
+    assert bf16._fp32_bulk_fits() and not LlamaEngine(tiny_llama(0, dtype=torch.float32).model, kernels=kernels)._fp32_bulk_fits()
+    size = sum(m[k].numel() * 4 for m in bf16._matrix_holders() for k in E._MATRICES
+               if k in m)
+    monkeypatch.setattr(native, "available_memory", lambda: 4 * size)  # exactly a quarter: refused
+    assert not bf16._fp32_bulk_fits()
+    monkeypatch.setattr(native, "available_memory", lambda: None)  # unknown: refused
+    assert not bf16._fp32_bulk_fits()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [5, 37])
 def test_a_prefill_attends_by_the_causal_flag_as_by_the_mask(dtype, n):
