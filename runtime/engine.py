@@ -218,6 +218,11 @@ MEASURE_BYTES = 128 << 20
 #: kernels made for a few rows: more than cpu_gemv.MAX_ROWS go to the many-row kernel (kernel_for)
 FEW_ROW = ("avx2", "avx512bf16", "amx")
 
+#: the fewest rows the many-row kernel "fp32" takes (kernel_for): its copies are twice the bf16 bytes, and a
+#: forward's matrices streamed at 9-48 rows ran 1.2-4x slower on them than in the few-row kernel's passes of 8
+#: (a Xeon without AMX, forty-first session); below this a tree verifies on a plain step's products
+FP32_ROWS = 64
+
 #: kernels the layer kernel (cpu_layers.run_layers) runs a step's products on
 LAYER_KERNELS = ("avx512bf16", "amx")
 
@@ -226,7 +231,8 @@ def kernel_for(kernels: tuple[str, ...], rows: int) -> str:
     """The kernel of ``kernels`` (one-row, several-row[, many-row]) for a product of ``rows`` rows: the
     several-row kernel, except that a few-row kernel (:data:`FEW_ROW`) hands more than ``cpu_gemv.MAX_ROWS``
     rows (prefill, batched generation, large trees) to the many-row kernel: the third entry (the
-    engine's choice at 32 and 128 rows), else oneDNN where that is prepared, else ATen. AMX keeps up to
+    engine's choice at 32 and 128 rows; fp32 copies from :data:`FP32_ROWS` rows only), else oneDNN where that
+    is prepared, else ATen. AMX keeps up to
     ``cpu_gemv.AMX_ROWS`` rows (one pass over the weights for them all): a tree of that many nodes is verified
     on the plain steps' products, bit for bit, and in the layer kernel's one call."""
     if rows == 1:
@@ -234,7 +240,7 @@ def kernel_for(kernels: tuple[str, ...], rows: int) -> str:
     if kernels[1] not in FEW_ROW or rows <= (cpu_gemv.AMX_ROWS if kernels[1] == "amx" else cpu_gemv.MAX_ROWS):
         return kernels[1]
     if len(kernels) > 2:
-        return kernels[2]
+        return kernels[1] if kernels[2] == "fp32" and rows < FP32_ROWS else kernels[2]
     return "onednn" if "onednn" in kernels else "aten"
 
 

@@ -54,7 +54,7 @@ def test_gemv_refuses_weights_it_cannot_take():
 
 
 def test_engine_routes_rows_past_the_kernel_to_the_bulk_kernel():
-    from specfoundry.runtime.engine import kernel_for, kernels_used
+    from specfoundry.runtime.engine import FP32_ROWS, kernel_for, kernels_used
 
     assert kernel_for(("avx2", "avx2"), 1) == "avx2"
     assert kernel_for(("avx2", "avx2"), cpu_gemv.MAX_ROWS) == "avx2"
@@ -69,14 +69,14 @@ def test_engine_routes_rows_past_the_kernel_to_the_bulk_kernel():
     assert kernel_for(("avx512bf16", "avx512bf16", "amx"), cpu_gemv.MAX_ROWS + 1) == "amx"  # (a head's: its bulk)
     assert kernels_used(("amx", "amx")) == {"amx", "aten"}  # what the many-row products need is prepared
     bf16_fp32 = ("avx512bf16", "avx512bf16", "fp32")
-    assert [kernel_for(bf16_fp32, n) for n in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1)] == \
-        ["avx512bf16", "avx512bf16", "fp32"] and kernels_used(bf16_fp32) == {"avx512bf16", "fp32"}
+    assert [kernel_for(bf16_fp32, n) for n in (1, cpu_gemv.MAX_ROWS + 1, FP32_ROWS - 1, FP32_ROWS)] == \
+        ["avx512bf16", "avx512bf16", "avx512bf16", "fp32"] and kernels_used(bf16_fp32) == {"avx512bf16", "fp32"}
 
 
 @pytest.mark.parametrize("dtype,bulk", [(torch.float32, "avx2"), (torch.bfloat16, "avx2"), (torch.bfloat16, "fp32")])
 def test_speculative_greedy_equals_plain_on_the_avx2_kernel(dtype, bulk):
     # the kernel forced for every row count (chains/trees verify through it, prefill in passes of 8), or
-    # for 1-8 rows with the 18-token prompts' prefill on the fp32 copies (engine KERNELS "fp32"):
+    # for 1-63 rows with the 66-token prompts' prefill on the fp32 copies (engine KERNELS "fp32"):
     # speculative greedy output must be the plain greedy output token for token
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -95,7 +95,7 @@ def test_speculative_greedy_equals_plain_on_the_avx2_kernel(dtype, bulk):
         gen = SpeculativeGenerator(target, load_drafter(source, target=target, **opts), adaptive=False)
         for _ in range(3):
             base = torch.randint(0, 96, (6,), generator=g).tolist()
-            prompt = base * 3  # repeats give the n-gram drafter matches
+            prompt = base * (11 if bulk == "fp32" else 3)  # repeats give the n-gram drafter matches
             kw = dict(prompt_ids=prompt, max_new_tokens=24, stop_at_eos=False)
             spec, plain = gen.generate(**kw), gen.generate(speculate=False, **kw)
             assert spec.token_ids == plain.token_ids, (source, opts)
