@@ -452,10 +452,14 @@ class LlamaEngine:
         self._drop_unused(best)
         return best
 
+    def _matrices(self) -> list[torch.Tensor]:
+        """Every target matrix (the layers' and the LM head), as the model holds it."""
+        return [w[k] for w in self._matrix_holders() for k in _MATRICES if k in w]
+
     def _amx_usable(self) -> bool:
         """Whether every target matrix can run on the AMX kernel, the layer kernel's AMX build loads, and
         the packed copies (made to time it: as many bytes as the matrices) fit well in free memory."""
-        mats = [w[k] for w in self._matrix_holders() for k in _MATRICES if k in w]
+        mats = self._matrices()
         free = native.available_memory()
         return self.dtype == torch.bfloat16 and cpu_gemv.amx_available() and all(map(cpu_gemv.amx_supports, mats)) \
             and (free is None or 2 * sum(m.numel() * m.element_size() for m in mats) < free) \
@@ -637,7 +641,7 @@ class LlamaEngine:
         if self.dtype != torch.bfloat16:
             return False
         free = native.available_memory()
-        size = sum(w[k].numel() * 4 for w in self._matrix_holders() for k in _MATRICES if k in w)
+        size = sum(m.numel() * 4 for m in self._matrices())
         return free is not None and 4 * size < free
 
     def new_cache(self, batch: int = 1, capacity: int = 1024) -> StaticKVCache:

@@ -497,9 +497,9 @@ def test_fp32_many_row_products_widen_bf16_and_are_offered_only_where_their_copi
     torch.testing.assert_close(y.double(), ref, rtol=2 ** -8, atol=1e-6)  # one bf16 rounding of a float sum
     kernels = ("aten", "aten")
     bf16 = LlamaEngine(tiny_llama(0, dtype=torch.bfloat16).model, kernels=kernels)
-    assert bf16._fp32_bulk_fits() and not LlamaEngine(tiny_llama(0, dtype=torch.float32).model, kernels=kernels)._fp32_bulk_fits()
-    size = sum(m[k].numel() * 4 for m in bf16._matrix_holders() for k in E._MATRICES
-               if k in m)
+    fp32 = LlamaEngine(tiny_llama(0, dtype=torch.float32).model, kernels=kernels)
+    assert bf16._fp32_bulk_fits() and not fp32._fp32_bulk_fits()
+    size = sum(m[k].numel() * 4 for m in bf16._matrix_holders() for k in E._MATRICES if k in m)
     monkeypatch.setattr(native, "available_memory", lambda: 4 * size)  # exactly a quarter: refused
     assert not bf16._fp32_bulk_fits()
     monkeypatch.setattr(native, "available_memory", lambda: None)  # unknown: refused
