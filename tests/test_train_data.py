@@ -250,6 +250,32 @@ def test_self_distill_reuses_every_prompt_answered_before_when_the_list_changes(
     assert calls == [] and report.skipped == 1 and partial["prompt"] == prompts[::-1]
 
 
+def test_self_distill_cuts_the_chunk_that_would_end_past_the_deadline_to_what_fits(tiny_target, tmp_path, monkeypatch):
+    # skipping that chunk whole left up to a chunk's time of the budget unused; keyed by prompt, the part
+    # of it expected to fit is answered, and a rerun with more time answers only the rest
+    prompts = [" ".join(str(5 + (i * 7 + j) % 50) for j in range(3 + i % 4)) for i in range(10)]
+    cfg = {"max_new_tokens": 6, "temperature": 0.0, "batch_size": 3, "chunk_size": 8}
+    reference = self_distill(prompts, tiny_target, responses_cfg=cfg, cache_dir=tmp_path / "ref", seed=7)
+
+    calls = _count_generate_calls(monkeypatch)
+    # the last chunk: 8 prompts in 8 s; 5.6 s left -> CUT_SAFETY * 5.6 s / 1 s a prompt = 4 of the next 8
+    report = ChunkReport(last_seconds=8.0, last_items=8)
+    part = self_distill(prompts, tiny_target, responses_cfg=cfg, cache_dir=tmp_path / "run", seed=7, report=report,
+                        deadline=time.time() + 5.6)
+    assert calls == [4] and report.cut == (4, 8) and (report.computed, report.skipped) == (1, 1)  # no chunk after it
+    assert part["prompt"] == prompts[:4] and part["response_ids"] == reference["response_ids"][:4]
+
+    # less time than an eighth of the chunk takes: skipped whole, the cached prompts come back alone
+    report = ChunkReport(last_seconds=80.0, last_items=8)
+    again = self_distill(prompts, tiny_target, responses_cfg=cfg, cache_dir=tmp_path / "run", seed=7, report=report,
+                         deadline=time.time() + 5.6)
+    assert calls == [4] and report.cut is None and report.skipped == 1 and again["prompt"] == prompts[:4]
+
+    report = ChunkReport()
+    full = self_distill(prompts, tiny_target, responses_cfg=cfg, cache_dir=tmp_path / "run", seed=7, report=report)
+    assert calls == [4, 6] and report.items_reused == 4 and full.to_dict() == reference.to_dict()
+
+
 def test_eval_split_is_deterministic_disjoint_and_stable():
     prompts = [f"prompt {i}" for i in range(40)]
     train, held = tdata.split_eval(prompts, 8, seed=3)
