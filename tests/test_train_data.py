@@ -275,6 +275,12 @@ def test_self_distill_cuts_the_chunk_that_would_end_past_the_deadline_to_what_fi
     full = self_distill(prompts, tiny_target, responses_cfg=cfg, cache_dir=tmp_path / "run", seed=7, report=report)
     assert calls == [4, 6] and report.items_reused == 4 and full.to_dict() == reference.to_dict()
 
+    # a (last) chunk small enough to fit whole is computed whole, and is no cut
+    report = ChunkReport(last_seconds=8.0, last_items=8)
+    small = self_distill(prompts[:3], tiny_target, responses_cfg=cfg, cache_dir=tmp_path / "small", seed=7,
+                         report=report, deadline=time.time() + 5.6)
+    assert calls == [4, 6, 3] and report.cut is None and report.skipped == 0 and len(small) == 3
+
 
 def test_eval_split_is_deterministic_disjoint_and_stable():
     prompts = [f"prompt {i}" for i in range(40)]
