@@ -3,6 +3,7 @@ report.md, non-empty PNGs), a planted non-lossless method flagged as a failure, 
 from interleaved per-prompt timings, and clear errors for bad input."""
 
 import json
+import statistics
 import string
 import tomllib
 from pathlib import Path
@@ -202,6 +203,18 @@ def test_tiny_bench_run_writes_valid_report_markdown_and_plots(tiny_dir, tmp_pat
                 per_fwd = sum(r["seconds"] - r["prefill_seconds"] for r in report["records"]
                               if r["method"] == name and f"T={r['temperature']:g}" == tkey) * 1000 / row["target_forwards"]
                 assert sp["draft"] + sp["verify"] + sp["other"] == pytest.approx(per_fwd)
+    for r in report["records"]:  # the decode speed-up: the per-token ratio with both calls' prefill taken out
+        if r["method"] == "plain":
+            assert r["decode_speed_up"] == pytest.approx(1.0)
+        elif r.get("prefill_seconds") is not None:
+            assert r["decode_speed_up"] == pytest.approx(((r["plain_seconds"] - r["plain_prefill_seconds"])
+                                                          / r["plain_new_tokens"])
+                                                         / ((r["seconds"] - r["prefill_seconds"]) / r["new_tokens"]))
+        else:  # HF peers report no prefill
+            assert r["decode_speed_up"] is None
+    row = report["summary"]["T=0"]["overall"]["eagle3:lookup-tree@2/4"]
+    assert row["median_decode_speed_up"] == pytest.approx(statistics.median(
+        r["decode_speed_up"] for r in report["records"] if r["method"] == "eagle3:lookup-tree@2/4" and r["temperature"] == 0))
     assert report["summary"]["T=0"]["overall"]["plain"]["tau"] == 1.0
     md = (out / "report.md").read_text()
     assert "## T=0: overall" in md and "## T=1: overall" in md and "speed-up (tau) by category" in md
@@ -213,6 +226,7 @@ def test_tiny_bench_run_writes_valid_report_markdown_and_plots(tiny_dir, tmp_pat
     assert fl["weight_bytes"] == streamed_weight_bytes(load_target(str(tiny_dir), dtype=torch.float64).model)
     assert fl["read_gbs"] > 0 and fl["floor_ms"] == pytest.approx(1000 * fl["weight_bytes"] / (fl["read_gbs"] * 1e9))
     assert "Weight-streaming floor" in md and "x the floor" in md and "warm-up and time to first token" in md
+    assert f"| {row['median_decode_speed_up']:.2f}x |" in md and "*decode speed-up*" in md
     sp = report["summary"]["T=0"]["overall"]["plain"]["step_ms"]  # the floor against a decode step, prefill apart
     step = sp["draft"] + sp["verify"] + sp["other"]
     assert f"plain decoding {step:.1f} ms per decode step" in md and f"= {step / fl['floor_ms']:.2f}x the floor" in md
