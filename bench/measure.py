@@ -93,7 +93,7 @@ def make_record(unit: dict, method: Method, out: RunResult, plain: RunResult, or
     n, pn = len(out.token_ids), len(plain.token_ids)
     speed_up = (plain.seconds / pn) / (out.seconds / n) if n and pn and out.seconds > 0 else None
     # the same ratio with each call's prefill taken out, what a long answer approaches: at 64 new tokens the
-    # prefill (the same work for every method) was a sixth of plain decoding's time on Spec-Bench (s42)
+    # prefill (the same work for every method) took 15% of plain decoding's time on the median Spec-Bench prompt
     pre, plain_pre = (out.stats or {}).get("prefill_seconds"), (plain.stats or {}).get("prefill_seconds")
     decode = None
     if n and pn and pre is not None and plain_pre is not None and out.seconds > pre and plain.seconds > plain_pre:
