@@ -112,7 +112,8 @@ def build_dataset(prompt_sources: list[dict], target, *, responses_cfg: dict | N
     counts) is split off before any response is generated, and
     prompts whose templated length leaves fewer than ``min_response_tokens`` of ``max_seq_len``
     are dropped. ``max_minutes`` is a wall budget for generation (Magpie rounds and response
-    chunks; no Magpie round starts past ``PROMPT_SHARE`` of it): past it nothing new is started and the dataset holds what is done (a rerun with
+    chunks; no Magpie round starts past ``PROMPT_SHARE`` of it, and the response chunk that would end past it is
+    cut to the prompts expected to fit): past it nothing new is started and the dataset holds what is done (a rerun with
     more time continues from the cache; with several processes give the budget to the main one
     and ``max_minutes=0`` to the others, which then read exactly what it cached). ``stats``: a
     dict filled with what was planned and done (``prompts_asked`` (None when a source has no
