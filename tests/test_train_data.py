@@ -258,10 +258,11 @@ def test_self_distill_cuts_the_chunk_that_would_end_past_the_deadline_to_what_fi
     reference = self_distill(prompts, tiny_target, responses_cfg=cfg, cache_dir=tmp_path / "ref", seed=7)
 
     calls = _count_generate_calls(monkeypatch)
-    # the last chunk: 8 prompts in 8 s; 5.6 s left -> CUT_SAFETY * 5.6 s / 1 s a prompt = 4 of the next 8
-    report = ChunkReport(last_seconds=8.0, last_items=8)
+    # the last chunk: 8 prompts in 800 s; 550 s left -> CUT_SAFETY * 550 s / 100 s a prompt = 4 of the next 8
+    report = ChunkReport(last_seconds=800.0, last_items=8)
     part = self_distill(prompts, tiny_target, responses_cfg=cfg, cache_dir=tmp_path / "run", seed=7, report=report,
-                        deadline=time.time() + 5.6)
+                        deadline=time.time() + 550)
+    # (the time the call takes before it sizes the cut counts against the 550 s: 4 until 50 s of it)
     assert calls == [4] and report.cut == (4, 8) and (report.computed, report.skipped) == (1, 1)  # no chunk after it
     assert part["prompt"] == prompts[:4] and part["response_ids"] == reference["response_ids"][:4]
 
@@ -275,10 +276,11 @@ def test_self_distill_cuts_the_chunk_that_would_end_past_the_deadline_to_what_fi
     full = self_distill(prompts, tiny_target, responses_cfg=cfg, cache_dir=tmp_path / "run", seed=7, report=report)
     assert calls == [4, 6] and report.items_reused == 4 and full.to_dict() == reference.to_dict()
 
-    # a (last) chunk small enough to fit whole is computed whole, and is no cut
-    report = ChunkReport(last_seconds=8.0, last_items=8)
+    # a (last) chunk small enough to fit whole is computed whole, and is no cut (1 s a prompt, 500 s left: the
+    # last chunk's 800 s would not fit, its 3 prompts do)
+    report = ChunkReport(last_seconds=800.0, last_items=800)
     small = self_distill(prompts[:3], tiny_target, responses_cfg=cfg, cache_dir=tmp_path / "small", seed=7,
-                         report=report, deadline=time.time() + 5.6)
+                         report=report, deadline=time.time() + 500)
     assert calls == [4, 6, 3] and report.cut is None and report.skipped == 0 and len(small) == 3
 
 
