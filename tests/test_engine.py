@@ -483,7 +483,6 @@ def test_fp32_many_row_products_widen_bf16_and_are_offered_only_where_their_copi
     """KERNELS["fp32"]: a bf16 model's matrices widened once, products in fp32, outputs rounded back to
     the activations' dtype; the engine offers it as a many-row candidate only for bf16 models whose fp32
     copies take under a quarter of free memory."""
-    from specfoundry.runtime import engine as E
     from specfoundry.runtime import native
 
     g = torch.Generator().manual_seed(0)
@@ -499,7 +498,7 @@ def test_fp32_many_row_products_widen_bf16_and_are_offered_only_where_their_copi
     bf16 = LlamaEngine(tiny_llama(0, dtype=torch.bfloat16).model, kernels=kernels)
     fp32 = LlamaEngine(tiny_llama(0, dtype=torch.float32).model, kernels=kernels)
     assert bf16._fp32_bulk_fits() and not fp32._fp32_bulk_fits()
-    size = sum(m[k].numel() * 4 for m in bf16._matrix_holders() for k in E._MATRICES if k in m)
+    size = sum(m.numel() * 4 for m in bf16._matrices())  # the fp32 copies' bytes
     monkeypatch.setattr(native, "available_memory", lambda: 4 * size)  # exactly a quarter: refused
     assert not bf16._fp32_bulk_fits()
     monkeypatch.setattr(native, "available_memory", lambda: None)  # unknown: refused
