@@ -409,20 +409,22 @@ def test_70b_plan_numbers_are_sane():
     assert plan.fits and m.total < 80 * GB
 
 
-def _native_bf16(monkeypatch, native: bool):
+def _native_bf16(monkeypatch, native: bool, pays: bool | None = None):
     import specfoundry.train.hardware as hw
 
     monkeypatch.setattr(hw, "cpu_has_native_bf16", lambda *a: native)
+    monkeypatch.setattr(hw, "cpu_bf16_products_pay", lambda *a: native if pays is None else pays)
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_precision_auto_follows_the_cpu(monkeypatch, native):
-    _native_bf16(monkeypatch, native)
+@pytest.mark.parametrize("native,pays", [(True, True), (True, False), (False, False)])
+def test_precision_auto_follows_the_cpu(monkeypatch, native, pays):
+    _native_bf16(monkeypatch, native, pays)
     want = "bf16" if native else "fp32"
+    step = "bf16" if pays else "fp32"  # an Intel CPU without AMX: bf16 weights, an fp32 training step
     r = resolve(load_recipe("eagle3-smollm2-135m"))
-    assert (r.target.dtype, r.data.responses.dtype, r.training.precision) == (want, want, want)
+    assert (r.target.dtype, r.data.responses.dtype, r.training.precision) == (want, want, step)
     args = launch_args(load_recipe("eagle3-smollm2-135m"))  # unresolved: the same answer
-    assert args[args.index("--mixed_precision") + 1] == ("bf16" if native else "no")
+    assert args[args.index("--mixed_precision") + 1] == ("bf16" if pays else "no")
     # named values are kept, and GPU recipes resolve auto to bf16 whatever the host CPU has
     assert resolve(load_recipe("eagle3-smollm2-135m", {"training.precision": "fp32"})).training.precision == "fp32"
     gpu = resolve(load_recipe("eagle-llama3-70b", {"target.dtype": "auto", "training.precision": "auto"}))
@@ -441,6 +443,22 @@ def test_cpu_bf16_flags(tmp_path):
     arm.write_text("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n")
     assert cpu_has_native_bf16(str(arm)) is True
     assert cpu_has_native_bf16(str(tmp_path / "missing")) is False
+
+
+def test_bf16_training_pays_on_amx_or_amd_avx512_bf16_not_on_intel_without_amx(tmp_path):
+    from specfoundry.train.hardware import cpu_bf16_products_pay
+
+    for vendor, flags, pays in (("GenuineIntel", "avx512f avx512_bf16", False),  # Sapphire/Emerald Rapids, no AMX
+                                ("GenuineIntel", "avx512f avx512_bf16 amx_tile amx_bf16", True),
+                                ("AuthenticAMD", "avx512f avx512_bf16", True),  # Zen 4+
+                                ("AuthenticAMD", "avx2 fma", False), ("GenuineIntel", "avx2 fma", False)):
+        f = tmp_path / f"cpuinfo-{vendor}-{len(flags)}"
+        f.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: {flags}\n\n"
+                     f"processor\t: 1\nvendor_id\t: {vendor}\nflags\t\t: {flags}\n")
+        assert cpu_bf16_products_pay(str(f)) is pays, (vendor, flags)
+    arm = tmp_path / "arm"  # no vendor_id line: Arm's bf16 counts as paying, as before
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n")
+    assert cpu_bf16_products_pay(str(arm)) is True
 
 
 def test_default_recipe_fits_the_20_minute_budget(monkeypatch):

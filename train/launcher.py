@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from .hardware import auto_precision
+from .hardware import auto_training_precision
 from .recipe_errors import suggest
 
 __all__ = ["packaged", "accelerate_config_path", "deepspeed_config_path", "list_launcher_configs",
@@ -184,7 +184,7 @@ def launch_args(recipe) -> list[str]:
     nproc, nmach = process_counts(recipe)
     precision = recipe.training.precision
     if precision == "auto":  # an unresolved recipe: what resolve() fills in
-        precision = auto_precision("cpu" if read_accelerate_config(ln.config).get("use_cpu") else "cuda")
+        precision = auto_training_precision("cpu" if read_accelerate_config(ln.config).get("use_cpu") else "cuda")
     args += ["--num_processes", str(nproc), "--num_machines", str(nmach),
              "--mixed_precision", {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision]]
     rank, ip, port = machine_settings(recipe)

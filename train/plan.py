@@ -280,7 +280,7 @@ def make_plan(recipe: Recipe, *, zero_stage: int | None = None, arch: Architectu
             continue
         cap_s = budget[stage_name]
         if est is not None and cap_s is not None and est > cap_s:
-            warnings.append(f"{stage_name} estimated {est / 60:.1f} min is cut at its {cap_s / 60:.0f} min budget")
+            warnings.append(f"{stage_name} estimated {est / 60:.1f} min is cut at its {cap_s / 60:g} min budget")
 
     return Plan(recipe=r, target=A, speculator=spec, device=device, world_size=world, num_machines=machines,
                 zero_stage=stage, placement=placement, target_params=A.param_count(),

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 from .launcher import (accelerate_config_path, deepspeed_config_for, deepspeed_config_path, launch_args,
                        list_launcher_configs, packaged, process_counts, read_accelerate_config, read_deepspeed_config,
                        zero3_placement_problem, zero_stage)
-from .hardware import auto_precision
+from .hardware import auto_precision, auto_training_precision
 from .presets import PresetError, cache_root, find_architecture
 from .recipe_errors import RecipeError, got, suggest
 from .recipe_schema import (BUILTIN_HELDOUT, METHODS, PROMPT_SOURCES, SPECULATOR_CLASSES, DataConfig, DraftArchConfig,
@@ -354,7 +354,7 @@ def resolve(recipe: Recipe) -> Recipe:
     if r.data.responses.dtype == "auto":
         r.data.responses.dtype = best
     if r.training.precision == "auto":
-        r.training.precision = best
+        r.training.precision = auto_training_precision(r.target.device.split(":")[0])
     if r.method != "draft" and r.target.feature_layers is None:
         try:
             arch = find_architecture(r.target.name)

@@ -327,7 +327,8 @@ class TrainingConfig(_Section):
     log_every: int = Field(10, ge=1)
     # evaluate the held-out loss / acceptance every N steps (0: only at the end)
     eval_every: int = Field(0, ge=0)
-    # fp32, or bf16/fp16 mixed precision (fp16 needs CUDA); auto: as target.dtype's auto
+    # fp32, or bf16/fp16 mixed precision (fp16 needs CUDA); auto: as target.dtype's auto, except fp32 on an
+    # Intel CPU without AMX, where bf16 products are slower than fp32 ones (train/hardware.py)
     precision: Precision = "auto"
 
 
