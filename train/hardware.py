@@ -30,38 +30,36 @@ __all__ = ["auto_precision", "auto_training_precision", "cpu_has_native_bf16", "
 _BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """True when the CPU flags (``flags``/``Features`` lines) name a bfloat16 dot-product
-    instruction; False where they cannot be read (no /proc: macOS, Windows)."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip().lower() in ("flags", "features") and _BF16_FLAGS & set(value.split()):
-                    return True
-    except OSError:
-        pass
-    return False
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_bf16_products_pay(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """True when batched bfloat16 products beat float32 ones on this CPU (the module's rule): native
-    bfloat16, and on Intel (``vendor_id`` GenuineIntel) only with AMX (``amx_bf16``)."""
-    if not cpu_has_native_bf16(cpuinfo):
-        return False
-    intel, amx = False, False
+@functools.lru_cache(maxsize=4)
+def _cpu_fields(cpuinfo: str) -> tuple[str, frozenset[str]]:
+    """(``vendor_id``, the union of the ``flags``/``Features`` lines) of a cpuinfo file; empty where it
+    cannot be read (no /proc: macOS, Windows)."""
+    vendor, flags = "", set()
     try:
         with open(cpuinfo) as f:
             for line in f:
                 key, _, value = line.partition(":")
                 key = key.strip().lower()
-                intel |= key == "vendor_id" and value.strip() == "GenuineIntel"
-                amx |= key == "flags" and "amx_bf16" in value.split()
+                if key == "vendor_id":
+                    vendor = value.strip()
+                elif key in ("flags", "features"):
+                    flags.update(value.split())
     except OSError:
         pass
-    return amx or not intel
+    return vendor, frozenset(flags)
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True when the CPU flags (``flags``/``Features`` lines) name a bfloat16 dot-product
+    instruction; False where they cannot be read."""
+    return bool(_BF16_FLAGS & _cpu_fields(cpuinfo)[1])
+
+
+def cpu_bf16_products_pay(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True when batched bfloat16 products beat float32 ones on this CPU (the module's rule): native
+    bfloat16, and on Intel (``vendor_id`` GenuineIntel) only with AMX (``amx_bf16``)."""
+    vendor, flags = _cpu_fields(cpuinfo)
+    return cpu_has_native_bf16(cpuinfo) and (vendor != "GenuineIntel" or "amx_bf16" in flags)
 
 
 def auto_precision(device: str) -> str:
