@@ -59,7 +59,7 @@ def cpu_bf16_products_pay(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """True when batched bfloat16 products beat float32 ones on this CPU (the module's rule): native
     bfloat16, and on Intel (``vendor_id`` GenuineIntel) only with AMX (``amx_bf16``)."""
     vendor, flags = _cpu_fields(cpuinfo)
-    return cpu_has_native_bf16(cpuinfo) and (vendor != "GenuineIntel" or "amx_bf16" in flags)
+    return bool(_BF16_FLAGS & flags) and (vendor != "GenuineIntel" or "amx_bf16" in flags)
 
 
 def auto_precision(device: str) -> str:
