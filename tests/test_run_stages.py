@@ -39,7 +39,7 @@ class _JumpingClock:
 
 
 def test_guard_stopped_stages_are_recorded_and_reported(tmp_path, tiny_target_dir, monkeypatch, capsys):
-    from specfoundry.train import datacache, evaluate, generation
+    from specfoundry.train import datacache, distill, evaluate, generation
     from specfoundry.train.cli import run_train
 
     prompts = tmp_path / "prompts.jsonl"
@@ -62,7 +62,7 @@ def test_guard_stopped_stages_are_recorded_and_reported(tmp_path, tiny_target_di
     path = tmp_path / "tiny-guarded.yaml"
     path.write_text(yaml.safe_dump(recipe))
 
-    monkeypatch.setitem(generation.DEFAULT_RESPONSES, "chunk_size", 6)  # (recipes do not set it)
+    monkeypatch.setitem(distill.DEFAULT_RESPONSES, "chunk_size", 6)  # (recipes do not set it)
     data_clock, eval_clock = _JumpingClock(), _JumpingClock()
     monkeypatch.setattr(datacache, "time", data_clock)
     real_generate = generation.generate_batched
@@ -122,7 +122,7 @@ def test_guard_stopped_stages_are_recorded_and_reported(tmp_path, tiny_target_di
     # dataset's cache key covers every prompt done, not a truncated view of the first 5: with 6
     # done and 9 planned both views began with the same 5 and the 6-example dataset came back)
     monkeypatch.undo()
-    monkeypatch.setitem(generation.DEFAULT_RESPONSES, "chunk_size", 6)
+    monkeypatch.setitem(distill.DEFAULT_RESPONSES, "chunk_size", 6)
     monkeypatch.setattr(evaluate, "time", _time)
     args.overwrite = True
     assert run_train(args) == 0

@@ -611,7 +611,7 @@ def test_a_greedy_and_sampled_mix_gives_each_prompt_its_greedy_or_its_sampled_an
     from tiny_models import tiny_llama
     from specfoundry.runtime.engine import LlamaEngine
     from specfoundry.train.data import generate_batched
-    from specfoundry.train.generation import sampled_in_mix
+    from specfoundry.train.distill import sampled_in_mix
 
     engine = LlamaEngine(tiny_llama(0, backend="hf").model)
     prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42], [9, 9, 9, 9, 9], [8, 1], [3, 3]]
@@ -633,7 +633,7 @@ def test_a_greedy_and_sampled_mix_gives_each_prompt_its_greedy_or_its_sampled_an
 
 
 def test_a_sampled_mix_needs_greedy_for_the_rest():
-    from specfoundry.train.generation import self_distill
+    from specfoundry.train.distill import self_distill
 
     with pytest.raises(ValueError, match="temperature must be 0"):
         self_distill(["hi"], None, responses_cfg={"temperature": 0.7, "sampled_fraction": 0.5}, cache_dir="/nonexistent")
@@ -662,3 +662,105 @@ def test_batch_order_groups_rows_of_similar_length():
     assert len(batch_order(n, bs, seed=3, epoch=0, lengths=lengths, drop_last=True)) == n // bs
     with pytest.raises(ValueError, match="lengths"):
         batch_order(n, bs, seed=3, epoch=0, lengths=lengths[:-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_generation_keeps_the_states_a_capture_would_compute(dtype):
+    """state_layers: every prompt's states, prompt and answer up to its last token (a finished row
+    stays one forward more for it), equal to the engine's capture of the same tokens (fp32 to float
+    rounding, bf16 within its rounding), with the tokens of a run that keeps none, for any number
+    of slots (rows finish at different steps, slots are refilled); a HF model cannot keep them."""
+    from tiny_models import tiny_llama
+    from specfoundry.train.data import generate_batched
+
+    t = tiny_llama(0, dtype=dtype)
+    eng = t._engine()
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42], [9, 9, 9, 9, 9], [8, 1], [3, 3], [17, 4, 60, 2]]
+    layers = (1, 2, t.num_layers)
+    kw = dict(max_new_tokens=14, stop_ids=[31], temperature=0.0, seed=3, min_new_tokens=2)
+    capture = HiddenStateSource("offline", t, layers[:2], cache_dir="unused", capture_batch_size=4)
+    bound = 1e-5 if dtype == torch.float32 else 3e-2
+    for slots in (1, 3, len(prompts)):
+        ref, ref_fin = generate_batched(eng, prompts, batch_size=slots, **kw)
+        kept = {}
+        new, fin = generate_batched(eng, prompts, batch_size=slots, state_layers=layers,
+                                    on_states=kept.__setitem__, **kw)
+        assert new == ref and fin == ref_fin, slots
+        assert any(fin) and not all(fin) and len({len(g) for g in new}) > 2
+        assert sorted(kept) == list(range(len(prompts)))
+        for i, (f, h) in enumerate(capture._compute_rows_engine([p + g for p, g in zip(prompts, new)])):
+            s = kept[i]
+            assert s.shape == (len(prompts[i]) + len(new[i]), 3, t.hidden_size) and s.dtype == dtype
+            for got, want in ((s[:, :2], f), (s[:, 2], h)):
+                err = (got.double() - want.double()).norm() / want.double().norm()
+                assert err < bound, (slots, i, float(err))
+            # the last position too (the extra forward): its own row, not a copy of its neighbour's
+            assert (s[-1].double() - f.new_zeros(1).double()).abs().sum() > 0
+            err_last = (s[-1, 2].double() - h[-1].double()).norm() / h[-1].double().norm()
+            assert err_last < 3 * bound
+    with pytest.raises(ValueError, match="engine"):
+        generate_batched(t.model, prompts, max_new_tokens=4, state_layers=layers, on_states=lambda i, s: None)
+
+
+def test_self_distilled_states_fill_the_offline_store_without_a_capture(tmp_path, monkeypatch):
+    """self_distill with state_layers writes each answered prompt's states; the offline store built
+    with them (a header of its own) captures no example whose file holds its tokens, reads the
+    prefix of an example truncated to max_seq_len, and captures the ones whose file is missing,
+    damaged or for other tokens; its batches equal a captured-only store's to float rounding."""
+    from tiny_models import tiny_llama
+    from specfoundry.train.distill import states_dir
+    from specfoundry.train.genstates import GenerationStates, state_layers_for
+
+    t = tiny_llama(1, dtype=torch.float32)
+    layers = (1, 3)
+    keep = state_layers_for(layers, t.num_layers)
+    assert keep == (1, 3, t.num_layers)
+    f = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": " ".join(str(10 + (i * 7 + j) % 50) for j in range(3 + i))}
+                                            for i in range(8)])
+    resp = {"max_new_tokens": 10, "batch_size": 3, "chunk_size": 4}
+    kw = dict(responses_cfg=resp, max_seq_len=18, min_response_tokens=4, cache_dir=tmp_path / "cache", seed=1)
+    ds, _ = build_dataset([{"source": "file", "path": str(f)}], t, state_layers=keep, **kw)
+    root = states_dir(tmp_path / "cache", t, resp, 1, keep)
+    assert len(list(root.glob("*.safetensors"))) == len(ds) == 8
+    assert any(len(x) == 18 for x in ds["input_ids"]), "the test needs an example truncated to max_seq_len"
+
+    calls = []
+    real = HiddenStateSource._compute_rows
+    monkeypatch.setattr(HiddenStateSource, "_compute_rows",
+                        lambda self, rows, bar=None: calls.append(len(rows)) or real(self, rows, bar))
+    states = GenerationStates(root, layers, t.num_layers)
+    src = HiddenStateSource("offline", t, layers, cache_dir=tmp_path / "gen", shard_tokens=40, capture_batch_size=4,
+                            states=states)
+    src.prepare(ds, progress=False)
+    assert sum(calls) == 0 and states.found == len(ds)
+    assert json.loads((tmp_path / "gen" / "manifest.json").read_text())["header"]["states"] == "generation"
+    ref = HiddenStateSource("offline", t, layers, cache_dir=tmp_path / "cap", shard_tokens=40, capture_batch_size=4)
+    ref.prepare(ds, progress=False)
+    assert sum(calls) == len(ds)
+    for x, y in zip(src.batches(ds, 3, seed=0, epoch=0), ref.batches(ds, 3, seed=0, epoch=0)):
+        assert torch.equal(x["input_ids"], y["input_ids"])
+        for k in ("features", "last_hidden"):
+            assert (x[k] - y[k]).norm() / y[k].norm() < 1e-5, k
+            assert not x[k][x["attention_mask"] == 0].any()
+    with pytest.raises(ValueError, match="computed for something else"):  # never mixed with a captured store
+        HiddenStateSource("offline", t, layers, cache_dir=tmp_path / "cap", shard_tokens=40, capture_batch_size=4,
+                          states=states).prepare(ds, progress=False)
+
+    # a missing file, a damaged one and one for other tokens: those three are captured, the rest read
+    from specfoundry.train.genstates import _path, write_states
+
+    _path(root, ds[0]["prompt"]).unlink()
+    _path(root, ds[1]["prompt"]).write_bytes(b"not a safetensors file")
+    other = torch.zeros(len(ds[2]["input_ids"]), len(keep), t.hidden_size)
+    write_states(root, ds[2]["prompt"], [x + 1 for x in ds[2]["input_ids"]], other, keep)
+    calls.clear()
+    again = GenerationStates(root, layers, t.num_layers)
+    src2 = HiddenStateSource("offline", t, layers, cache_dir=tmp_path / "gen2", shard_tokens=40, capture_batch_size=4,
+                             states=again)
+    src2.prepare(ds, progress=False)
+    assert sum(calls) == 3 and again.found == len(ds) - 3
+    for x, y in zip(src2.batches(ds, 3, seed=0, epoch=0), ref.batches(ds, 3, seed=0, epoch=0)):
+        for k in ("features", "last_hidden"):
+            assert (x[k] - y[k]).norm() / y[k].norm() < 1e-5, k
+    # a store for other layers reads none of them (the files hold 1, 3 and the last only)
+    assert GenerationStates(root, (2,), t.num_layers).get(ds[3]["prompt"], ds[3]["input_ids"]) is None

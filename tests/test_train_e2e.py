@@ -77,12 +77,19 @@ def _check_run(run: Path, target_dir):
     return summary
 
 
-def test_single_process_run_writes_a_complete_run_directory(tmp_path, tiny_target_dir, monkeypatch):
+def test_single_process_run_writes_a_complete_run_directory(tmp_path, tiny_target_dir, monkeypatch, capsys):
     from specfoundry.train.run import main
 
     monkeypatch.setenv("WANDB_MODE", "offline")
-    assert main([str(_recipe(tmp_path, tiny_target_dir)), "--set", "training.eval_every=2"]) == 0
+    assert main([str(_recipe(tmp_path, tiny_target_dir)), "--set", "training.eval_every=2",
+                 "--set", "data.capture_batch_size=4"]) == 0
     _check_run(tmp_path / "run", tiny_target_dir)
+    # the engine's offline store read every sequence's states from the self-distillation's forwards
+    stores = list((tmp_path / "cache" / "features").glob("*-engine-gen"))
+    assert len(stores) == 2  # training and held-out sequences
+    for store in stores:
+        assert json.loads((store / "manifest.json").read_text())["header"]["states"] == "generation"
+    assert "hidden states came from the self-distillation's forwards" in capsys.readouterr().out
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert runs
     # eval_every: held-out metrics at steps 2 and 4, logged to W&B beside the training metrics

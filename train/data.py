@@ -27,7 +27,8 @@ from specfoundry.runtime.logs import stderr_logger
 # (re-exported names: features.py and older callers import them from here)
 from .datacache import (ChunkReport, GenStats, dtype_name, model_fingerprint, resolve_dtype,  # noqa: F401
                         save_dataset_atomic, stable_hash)
-from .generation import DEFAULT_RESPONSES, ChatFormat, generate_batched, responses_key_base, self_distill  # noqa: F401
+from .distill import DEFAULT_RESPONSES, responses_key_base, self_distill  # noqa: F401
+from .generation import ChatFormat, generate_batched  # noqa: F401
 from .prompts import MAGPIE_DEFAULTS, load_prompts
 
 __all__ = ["build_dataset", "make_example", "split_eval", "TRAIN_FEATURES", "ChatFormat", "ChunkReport", "GenStats",
@@ -101,7 +102,8 @@ def split_eval(prompts: list[str], eval_prompts, seed: int) -> tuple[list[str], 
 
 def build_dataset(prompt_sources: list[dict], target, *, responses_cfg: dict | None = None, max_seq_len: int = 512,
                   eval_prompts=0, loss_on_prompt: bool = False, cache_dir: str | Path, seed: int = 0,
-                  min_response_tokens: int = 16, max_minutes: float | None = None, stats: dict | None = None):
+                  min_response_tokens: int = 16, max_minutes: float | None = None, stats: dict | None = None,
+                  state_layers: Sequence[int] = ()):
     """Prompts from ``prompt_sources`` -> self-distilled, tokenized training examples.
 
     ``prompt_sources``: dicts, e.g. ``{"source": "magpie", "count": 2000}``,
@@ -118,7 +120,9 @@ def build_dataset(prompt_sources: list[dict], target, *, responses_cfg: dict | N
     and ``max_minutes=0`` to the others, which then read exactly what it cached). ``stats``: a
     dict filled with what was planned and done (``prompts_asked`` (None when a source has no
     limit), ``prompts``, ``held_out``, ``to_distill``, ``chunks_skipped``, ``examples``,
-    ``stopped_by_guard``: the budget left prompts or responses ungenerated). Returns
+    ``stopped_by_guard``: the budget left prompts or responses ungenerated). ``state_layers``: the
+    generation keeps the target's states at those indices for the hidden-state store (see
+    :func:`~specfoundry.train.distill.self_distill`). Returns
     ``(train_ds, eval_prompts_list)``; ``train_ds`` is saved under
     ``cache_dir/datasets/<hash>`` and memory-mapped from there.
     """
@@ -143,7 +147,7 @@ def build_dataset(prompt_sources: list[dict], target, *, responses_cfg: dict | N
     _log(f"{len(prompts)} prompts: {len(fits)} to self-distill, {len(held_out)} held out for eval")
     report = ChunkReport()
     distilled = self_distill(fits, target, responses_cfg=responses_cfg, cache_dir=cache_dir, seed=seed, report=report,
-                             deadline=deadline)
+                             deadline=deadline, state_layers=state_layers)
     _log(f"response chunks: {report.computed} generated, {report.reused} reused ({report.items_reused} prompts "
          f"answered before) from {cache_dir}"
          + (f", the last cut to {report.cut[0]} of {report.cut[1]} prompts" if report.cut else "")
@@ -152,7 +156,8 @@ def build_dataset(prompt_sources: list[dict], target, *, responses_cfg: dict | N
     # a plain list: a datasets Column would be hashed by its truncated repr (its first 5 prompts),
     # and a rerun that generated more responses would reuse the smaller dataset of the first run
     done_prompts = list(distilled["prompt"]) if distilled is not None else []
-    key = stable_hash("dataset-v1", responses_key_base(target, {**DEFAULT_RESPONSES, **(responses_cfg or {})}, seed),
+    key = stable_hash("dataset-v1", responses_key_base(target, {**DEFAULT_RESPONSES, **(responses_cfg or {})}, seed,
+                                                       state_layers),
                       max_seq_len, loss_on_prompt, done_prompts)[:16]
     out = cache_dir / "datasets" / key
     if not (out / "dataset_info.json").exists():

@@ -146,12 +146,15 @@ class HiddenStateSource:
     forward per batch instead of one per example (faster on a GPU; equal to the offline states
     only up to kernel rounding, not bit for bit). ``capture_batch_size > 1``: the same for the
     offline capture (length-sorted groups; recorded in the manifest header), on the runtime's
-    engine where the target decodes on one (:func:`capture_backend`).
+    engine where the target decodes on one (:func:`capture_backend`). ``states``: a
+    :class:`~specfoundry.train.genstates.GenerationStates` the offline ``prepare`` reads an example's
+    states from before capturing it (the self-distillation's own forwards computed them; recorded in
+    the header, so such a store is never mixed with a captured-only one).
     """
 
     def __init__(self, mode: str, target, feature_layers: Sequence[int], cache_dir: str | Path | None = None,
                  dtype=None, *, last_hidden_dtype=None, shard_tokens: int = 32768, device=None,
-                 online_batched: bool = False, capture_batch_size: int = 1):
+                 online_batched: bool = False, capture_batch_size: int = 1, states=None):
         if mode not in ("online", "offline"):
             raise ValueError(f"mode must be 'online' or 'offline', got {mode!r}")
         if mode == "offline" and cache_dir is None:
@@ -172,6 +175,9 @@ class HiddenStateSource:
         if int(capture_batch_size) < 1:
             raise ValueError(f"capture_batch_size must be >= 1, got {capture_batch_size}")
         self.capture_batch_size = int(capture_batch_size)
+        if states is not None and mode != "offline":
+            raise ValueError("states from generation fill the offline store; online mode computes every batch")
+        self.states = states
         tok = target.tokenizer
         self.pad_id = int(tok.pad_token_id) if tok is not None and tok.pad_token_id is not None else 0
         self._index: dict[int, tuple[int, int, int]] | None = None  # example id -> (shard, offset, length)
@@ -244,6 +250,9 @@ class HiddenStateSource:
             # kernel rounding), so the two are never mixed in one cache; nor the engine's and HF's
             **({"capture_batch_size": self.capture_batch_size} if self.capture_batch_size > 1 else {}),
             **({"capture": "engine"} if self._capture_backend() == "engine" else {}),
+            # generation's decode forwards round differently from a capture's prefill (same states
+            # up to kernel rounding), so a store filled from them is a store of its own
+            **({"states": "generation"} if self.states is not None else {}),
         }
 
     def _capture_backend(self) -> str:
@@ -337,7 +346,7 @@ class HiddenStateSource:
         bar = tqdm(total=total, desc="hidden states", unit="tok", disable=not progress or not todo)
         for s in todo:
             feats, lasts, ids, lengths = [], [], [], []
-            for i, (f, h) in zip(plan[s], self._compute_rows([dataset[i]["input_ids"] for i in plan[s]], bar)):
+            for i, (f, h) in zip(plan[s], self._rows_of(dataset, plan[s], bar)):
                 feats.append(f.cpu())
                 lasts.append(h.cpu())
                 ids.append(_example_id(dataset[i], i))
@@ -358,6 +367,22 @@ class HiddenStateSource:
         manifest["complete"] = True
         _atomic_write_json(self.manifest_path, manifest)
         self._index = None
+
+    def _rows_of(self, dataset, rows: list[int], bar=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """States of ``dataset``'s ``rows``: read from ``self.states`` where generation kept them, the
+        rest captured (:meth:`_compute_rows`)."""
+        got: list = [None] * len(rows)
+        if self.states is not None:
+            for k, i in enumerate(rows):
+                row = dataset[i]
+                kept = self.states.get(row["prompt"], row["input_ids"]) if row.get("prompt") is not None else None
+                if kept is not None:
+                    got[k] = (kept[0].to(self.dtype), kept[1].to(self.last_hidden_dtype))
+                    bar.update(len(row["input_ids"])) if bar is not None else None
+        todo = [k for k in range(len(rows)) if got[k] is None]
+        for k, fh in zip(todo, self._compute_rows([dataset[rows[k]]["input_ids"] for k in todo], bar) if todo else []):
+            got[k] = fh
+        return got
 
     def _compute_rows(self, rows: list, bar=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``compute`` for each row, in order; with ``capture_batch_size > 1`` rows of similar

@@ -15,36 +15,32 @@ Scope:
   on the HF model. Tokens are drawn by the runtime's batched sampler
   (:func:`specfoundry.runtime.sampling.sample_batch`: the distribution of
   :func:`~specfoundry.runtime.sampling.probs_from_logits` without a full-vocabulary sort per step).
-- :func:`self_distill`: the target answers every prompt; results are cached chunk by chunk
-  (:func:`~specfoundry.train.datacache.cached_chunks`), so a killed run resumes.
+  It can also hand back the target's states of every position (``state_layers``), computed by
+  the generation's own forwards.
 
-Imports :mod:`.datacache` only (never :mod:`.data` or :mod:`.prompts`): the data modules form no
-import cycle (data -> prompts -> generation -> datacache).
+Self-distillation (the target answering the training prompts, cached) is :mod:`.distill`.
+Imports :mod:`.datacache` only (never :mod:`.data`, :mod:`.prompts` or :mod:`.distill`): the data
+modules form no import cycle (data -> distill / prompts -> generation -> datacache).
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from specfoundry.runtime.chat import encode_chat, encode_text
-from specfoundry.runtime.logs import stderr_logger
 from specfoundry.runtime.target import hf_cache_kw
 from specfoundry.runtime.sampling import SamplingParams, sample_batch
 
-from .datacache import ChunkReport, GenStats, cached_chunks, dtype_name, model_fingerprint, resolve_dtype, stable_hash
+from .datacache import GenStats, resolve_dtype, stable_hash
 
-__all__ = ["ChatFormat", "model_in_dtype", "generation_model", "generate_batched", "self_distill",
-           "DEFAULT_RESPONSES", "responses_key_base"]
+__all__ = ["ChatFormat", "model_in_dtype", "generation_model", "generate_batched"]
 
 _SENTINEL = "\u2063SPECFOUNDRY\u2063"  # invisible separator: cannot clash with real text
 
-
-_log = stderr_logger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,12 +279,18 @@ def _generate_static(model, prompts: list[list[int]], rows: list[int], *, max_ne
 @torch.no_grad()
 def _generate_continuous(engine, prompts: list[list[int]], order: list[int], *, slots: int, max_new_tokens: int,
                          params: SamplingParams, stop: torch.Tensor, min_new_tokens: int, streams,
-                         on_done) -> tuple[list[list[int]], list[bool]]:
+                         on_done, state_layers: tuple[int, ...] = (), on_states=None
+                         ) -> tuple[list[list[int]], list[bool]]:
     """Continuous batching on the engine (the serving slots, :mod:`specfoundry.runtime.serving.slots`):
     up to ``slots`` prompts generate at once, and a prompt that finishes hands its slot to the next
     one of ``order``, whose prompt is prefilled in the same forward as the decode rows (a static
     batch instead shrinks as its rows finish: its last steps run a few rows for the cost of many).
-    ``on_done(i, new_tokens)`` is called as prompt ``i`` finishes."""
+    ``on_done(i, new_tokens)`` is called as prompt ``i`` finishes.
+
+    ``state_layers`` (with ``on_states``): the forwards also return the target's states at those
+    hidden-state indices, and ``on_states(i, states)`` gets prompt ``i``'s ``[len(prompt) + new, F, H]``
+    (every position, prompt and answer) once it is complete: a finished row stays one more forward,
+    fed its last token like any decode row, for that token's states (the token drawn after it is dropped)."""
     from specfoundry.runtime.serving.slots import SlotCache, forward_mixed
 
     cache = SlotCache(engine, slots, max(len(p) for p in prompts) + max_new_tokens)
@@ -296,6 +298,9 @@ def _generate_continuous(engine, prompts: list[list[int]], order: list[int], *, 
     gen: list[list[int]] = [[] for _ in prompts]
     finished = [False] * len(prompts)
     rows: list[int] = []  # prompt index per active slot row
+    keep = bool(state_layers)
+    states: dict[int, list[torch.Tensor]] = {}  # prompt -> its states so far, position order
+    closing: set[int] = set()  # prompts done generating, in the cache for their last token's states
     one = torch.zeros(1, dtype=torch.long, device=engine.device)
     while queue or rows:
         joining = []
@@ -306,23 +311,40 @@ def _generate_continuous(engine, prompts: list[list[int]], order: list[int], *, 
         last = torch.tensor([[gen[i][-1]] for i in rows], dtype=torch.long).view(B, 1)
         pos = torch.tensor([[len(prompts[i]) + len(gen[i]) - 1] for i in rows], dtype=torch.long).view(B, 1)
         dec, outs = forward_mixed(cache, last, pos, None,
-                                  [(pc, torch.tensor(prompts[i], dtype=torch.long)) for i, pc in joining])
+                                  [(pc, torch.tensor(prompts[i], dtype=torch.long)) for i, pc in joining],
+                                  state_layers)
         if B:
             cache.commit([one] * B)
+        if keep:
+            # one device-to-host copy per forward; each row keeps a view of its position
+            step = dec.features[:, 0].cpu() if B else None
+            for r, i in enumerate(rows):
+                states[i].append(step[r : r + 1])
+            for (i, _), (_, f) in zip(joining, outs):
+                states[i] = [f[0].cpu()]
         for i, pc in joining:
             cache.add(pc)
             rows.append(i)
         logits = torch.cat(([dec.logits[:, 0]] if B else []) + [lg[None] for lg, _ in outs])
+        # (a closing row's token is drawn with the others and dropped: its prompt is done)
         tok = _next_tokens(logits, params, streams, rows, [len(gen[i]) for i in rows], stop, min_new_tokens)
         done = torch.isin(tok, stop).tolist() if stop.numel() else [False] * len(rows)
-        ended = []
+        leaving, now_closing = [], set()
         for r, (i, t, d) in enumerate(zip(rows, tok.tolist(), done)):
+            if i in closing:  # its last token's states came with this forward
+                on_states(i, torch.cat(states.pop(i)))
+                leaving.append(r)
+                continue
             gen[i].append(t)
             finished[i] = d
             if d or len(gen[i]) >= max_new_tokens:
-                ended.append(r)
-        for r in reversed(ended):  # highest row first: the row moved into r is never one that ended
-            on_done(rows[r], len(gen[rows[r]]))
+                on_done(i, len(gen[i]))
+                if keep:
+                    now_closing.add(i)
+                else:
+                    leaving.append(r)
+        closing = now_closing
+        for r in reversed(leaving):  # highest row first: the row moved into r is never one that leaves
             moved = cache.remove(r)
             rows[r] = rows[moved] if moved is not None else rows[r]
             rows.pop()
@@ -332,8 +354,8 @@ def _generate_continuous(engine, prompts: list[list[int]], order: list[int], *, 
 def generate_batched(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
                      top_p: float = 1.0, top_k: int = 0, stop_ids: Sequence[int] = (), min_new_tokens: int = 0,
                      batch_size: int = 32, pad_id: int = 0, seed: int = 0, progress: bool | str = False,
-                     stats: GenStats | None = None,
-                     sampled: Sequence[bool] | None = None) -> tuple[list[list[int]], list[bool]]:
+                     stats: GenStats | None = None, sampled: Sequence[bool] | None = None,
+                     state_layers: Sequence[int] = (), on_states=None) -> tuple[list[list[int]], list[bool]]:
     """Continue each token-id prompt; returns ``(new_ids, finished)`` in input order.
 
     ``model``: a :class:`~specfoundry.runtime.engine.LlamaEngine` (see :func:`generation_model`),
@@ -347,6 +369,10 @@ def generate_batched(model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     ``sampled`` (with ``temperature > 0``): per prompt, whether it samples; the others are greedy
     (a sampled prompt's tokens are the same as in a call where every prompt samples).
     ``stats`` (optional) accumulates token counts and time.
+    ``state_layers`` / ``on_states`` (the engine only): ``on_states(i, states)`` receives prompt ``i``'s
+    target states at those hidden-state indices for every position of prompt + answer
+    (``[len(prompt) + len(new_ids[i]), F, H]``), computed by the generation's own forwards, so that
+    training needs no capture pass over them (see :func:`_generate_continuous`).
     """
     from tqdm.auto import tqdm
 
@@ -376,8 +402,11 @@ def generate_batched(model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
         bar.update(1)
         bar.set_postfix_str(f"{local.new_tokens / (time.perf_counter() - t0):.0f} new tok/s", refresh=False)
 
+    if state_layers and (on_states is None or not isinstance(model, LlamaEngine)):
+        raise ValueError("state_layers need on_states and a model on the runtime's engine (generation_model)")
     if isinstance(model, LlamaEngine):
-        results, fin = _generate_continuous(model, prompts, order, slots=batch_size, on_done=done, **kw)
+        results, fin = _generate_continuous(model, prompts, order, slots=batch_size, on_done=done,
+                                            state_layers=tuple(int(i) for i in state_layers), on_states=on_states, **kw)
     else:
         results, fin = [[] for _ in prompts], [False] * len(prompts)
         for b in range(0, len(order), batch_size):
@@ -391,76 +420,3 @@ def generate_batched(model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     if stats is not None:
         stats.add(local)
     return results, fin  # type: ignore[return-value]
-
-
-# ---------------------------------------------------------------------------------------------
-# self-distillation
-# ---------------------------------------------------------------------------------------------
-
-
-# chunk_size: prompts per cached shard, and the granularity of resume and of the time budget; a
-# few times the batch, so that finished prompts hand their slots to the next ones (continuous
-# batching) for most of a chunk (192 prompts x ~140 tokens: ~40 s at ~700 tok/s, bf16, 2 cores)
-DEFAULT_RESPONSES = {"max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "batch_size": 32,
-                     "dtype": None, "chunk_size": 192, "system": None, "sampled_fraction": 0.0,
-                     "sampled_temperature": 1.0}
-
-
-def sampled_in_mix(prompt: str, fraction: float) -> bool:
-    """Whether ``prompt`` is one of the ``fraction`` of a greedy/sampled mix answered by sampling:
-    decided by a hash of its text, so neither its chunk nor its position in the list changes it."""
-    return fraction > 0 and int(stable_hash("sampled-mix", prompt)[:12], 16) < fraction * 16 ** 12
-
-
-def responses_key_base(target, cfg: dict, seed: int) -> dict:
-    gen_dtype = resolve_dtype(cfg["dtype"]) or target.dtype
-    # batch_size is part of the key: batch composition changes padding and hence low-order bits,
-    # and a resumed run must reproduce the interrupted one exactly
-    mix = ("sampled_fraction", "sampled_temperature") if cfg["sampled_fraction"] else ()  # (all-greedy keys unchanged)
-    return {"kind": "responses-v2", "target": model_fingerprint(target), "template": ChatFormat(target).template_id(),
-            "dtype": dtype_name(gen_dtype), "seed": seed,
-            **{k: cfg[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "batch_size", "system") + mix}}
-
-
-def self_distill(prompts: Sequence[str], target, *, responses_cfg: dict | None = None, cache_dir: str | Path,
-                 seed: int = 0, report: ChunkReport | None = None, deadline: float | None = None):
-    """The target's own answers to ``prompts``, as a ``datasets.Dataset`` with columns ``prompt``,
-    ``prompt_ids``, ``response_ids``, ``response``, ``finished``; cached and resumable (see
-    :func:`cached_chunks`). ``responses_cfg``: ``max_new_tokens``, ``temperature`` (0 = greedy),
-    ``top_p``, ``top_k``, ``sampled_fraction`` / ``sampled_temperature`` (with temperature 0, that
-    share of the prompts, see :func:`sampled_in_mix`, is sampled at that temperature), ``batch_size``,
-    ``dtype`` (generation dtype; None = the target's),
-    ``chunk_size`` (prompts per cached shard), ``system`` (system message; None = template
-    default). Past ``deadline`` (``time.time()``) no new chunk starts: the result then covers
-    only the prompts of the chunks done (``report.skipped`` counts the others). A prompt answered
-    before with the same configuration is reused, whatever the list it came in."""
-    cfg = {**DEFAULT_RESPONSES, **(responses_cfg or {})}
-    unknown = set(cfg) - set(DEFAULT_RESPONSES)
-    if unknown:
-        raise ValueError(f"unknown responses_cfg keys {sorted(unknown)}; known: {sorted(DEFAULT_RESPONSES)}")
-    if cfg["sampled_fraction"] and cfg["temperature"]:
-        raise ValueError(f"sampled_fraction {cfg['sampled_fraction']} mixes sampled answers into greedy ones: "
-                         f"temperature must be 0, got {cfg['temperature']}")
-    gen_dtype = resolve_dtype(cfg["dtype"]) or target.dtype
-    chat = ChatFormat(target)
-    model = generation_model(target, gen_dtype)
-    stop = chat.assistant_stop_ids
-    key_base = responses_key_base(target, cfg, seed)
-    report = report if report is not None else ChunkReport()
-
-    def compute(chunk: list[str], chunk_seed: int) -> dict[str, list]:
-        pids = [chat.prompt_ids(p, cfg["system"]) for p in chunk]
-        mix = [sampled_in_mix(p, cfg["sampled_fraction"]) for p in chunk] if cfg["sampled_fraction"] else None
-        temperature = cfg["sampled_temperature"] if mix is not None else cfg["temperature"]
-        new, fin = generate_batched(model, pids, max_new_tokens=cfg["max_new_tokens"], temperature=temperature,
-                                    top_p=cfg["top_p"], top_k=cfg["top_k"], stop_ids=stop,
-                                    batch_size=cfg["batch_size"], pad_id=chat.pad_id, seed=chunk_seed,
-                                    progress="responses", stats=report.stats, sampled=mix)
-        return {"prompt": list(chunk), "prompt_ids": pids, "response_ids": new,
-                "response": [chat.decode(r) for r in new], "finished": fin}
-
-    ds = cached_chunks(Path(cache_dir) / "responses" / stable_hash(key_base)[:16], list(prompts), cfg["chunk_size"],
-                       key_base, compute, desc="self-distill", report=report, deadline=deadline, item_column="prompt")
-    if report.stats.seconds:
-        _log(f"self-distillation ({dtype_name(gen_dtype)}, batch {cfg['batch_size']}): {report.stats.summary()}")
-    return ds

@@ -269,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from .data import build_dataset
     from .features import HiddenStateSource, capture_backend, dataset_hash
+    from .distill import states_dir
+    from .genstates import GenerationStates, state_layers_for
     from .loop import LoopConfig, check_run_dir, claim_run_dir, read_run_id, train_loop
-    from .recipe import dump_resolved, load_recipe, prompt_source_dicts, resolve
+    from .recipe import default_feature_layers, dump_resolved, load_recipe, prompt_source_dicts, resolve
     from .tracking import init_tracking
 
     ap = argparse.ArgumentParser(prog="specfoundry.train.run")
@@ -322,6 +324,15 @@ def main(argv: list[str] | None = None) -> int:
                          recipe.tracking.wandb_mode) if recipe.tracking.wandb_mode != "disabled" else "disabled"
 
     d = recipe.data
+    # the offline store of the engine's states reads them from the self-distillation's own forwards
+    # (no capture pass over what generation computed) when the answers come from the target itself
+    keep_states = (not zero3 and d.hidden_states == "offline" and capture_backend(target, d.capture_batch_size) == "engine"
+                   and (_dtype(d.responses.dtype) if d.responses.dtype else target.dtype) == target.dtype)
+    feature_layers = gen_layers = ()
+    if keep_states:  # (what the head will read: checked against the built head below)
+        feature_layers = tuple(recipe.target.feature_layers or default_feature_layers(recipe.method, target.num_layers)
+                               or ()) or (target.num_layers,)
+        gen_layers = state_layers_for(feature_layers, target.num_layers)
     data_stats: dict = {}  # planned vs done, for the summary's stages block
     t_data = time.perf_counter()
     with acc.main_process_first():  # the main process generates and caches; the others reuse
@@ -332,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                                           # only the main process generates within the budget; the
                                           # others then read exactly what it cached
                                           max_minutes=d.max_minutes if acc.is_main_process else 0,
-                                          stats=data_stats)
+                                          stats=data_stats, state_layers=gen_layers)
     data_seconds = time.perf_counter() - t_data
     if zero3:
         train_ds, heldout = share_dataset(acc, train_ds, heldout)
@@ -356,20 +367,30 @@ def main(argv: list[str] | None = None) -> int:
                 train_ds.select(range(len(train_ds) - n_val))
     module, method = build_method(recipe, target, train_ds)
     layers = tuple(getattr(module, "feature_layers", ()) or ()) or (target.num_layers,)
+    keep_states = keep_states and layers == feature_layers  # (else the store captures them all)
+
     def features_dir(ds) -> Path:
         # one store per dataset: a rerun that generated more data (or split off validation
         # sequences) gets its own, instead of a stale store being refused; and one per capture
         # backend (a store of the other one stays where it is, unused)
         engine = capture_backend(target, d.capture_batch_size) == "engine"
-        return Path(d.cache_dir) / "features" / (dataset_hash(ds) + ("-engine" if engine else ""))
+        return Path(d.cache_dir) / "features" / (dataset_hash(ds) + ("-engine" if engine else "")
+                                                 + ("-gen" if keep_states else ""))
 
-    source = HiddenStateSource(d.hidden_states, target, layers, cache_dir=features_dir(train_ds),
-                               capture_batch_size=d.capture_batch_size)
+    def hidden_states(ds) -> HiddenStateSource:
+        states = GenerationStates(states_dir(d.cache_dir, target, vars(d.responses) | {}, recipe.training.seed,
+                                             gen_layers), layers, target.num_layers) if keep_states else None
+        return HiddenStateSource(d.hidden_states, target, layers, cache_dir=features_dir(ds),
+                                 capture_batch_size=d.capture_batch_size, states=states)
+
+    source = hidden_states(train_ds)
     with acc.main_process_first():
         source.prepare(train_ds)
+        if source.states is not None and source.states.found:
+            acc.print(f"[capture] {source.states.found} of {len(train_ds)} sequences' hidden states came from the "
+                      f"self-distillation's forwards; the others were captured")
         if val_ds is not None:
-            val_source = HiddenStateSource(d.hidden_states, target, layers, cache_dir=features_dir(val_ds),
-                                           capture_batch_size=d.capture_batch_size)
+            val_source = hidden_states(val_ds)
             val_source.prepare(val_ds, progress=False)
     tr = recipe.training
     P, rank = acc.num_processes, acc.process_index
