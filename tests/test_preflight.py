@@ -4,6 +4,7 @@ CUDA devices are a fake probe, the Hub is an offline cache the test builds."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -165,7 +166,13 @@ def test_offline_features_need_disk(monkeypatch):
     from collections import namedtuple
 
     r = load_recipe("eagle3-smollm2-135m")
-    assert _by_name(preflight(r))["disk"].status == "ok"
+    ok = _by_name(preflight(r))["disk"]
+    assert ok.status == "ok"
+    # the batched engine store keeps generation's states as well: twice a captured store's bytes
+    alone = _by_name(preflight(load_recipe("eagle3-smollm2-135m", overrides=["data.capture_batch_size=1"])))["disk"]
+    gb = [float(re.search(r"~([0-9.]+) GB", c.detail).group(1)) for c in (ok, alone)]
+    assert "states generation keeps" in ok.detail and "states" not in alone.detail
+    assert gb[0] == pytest.approx(2 * gb[1], abs=0.011)
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9, 1000))
     disk = _by_name(preflight(r))["disk"]

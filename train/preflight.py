@@ -14,8 +14,8 @@ The checks:
 - **memory**: the plan's per-device estimate (:mod:`~specfoundry.train.plan_memory`) against the
   free memory of each device this machine will use (CUDA: ``torch.cuda.mem_get_info``; CPU: the
   host's ``MemAvailable`` for all local processes together).
-- **disk**: offline hidden states: the feature shards' estimated size against the free space
-  where ``data.cache_dir`` lives.
+- **disk**: offline hidden states: the feature shards' estimated size (and the states generation keeps)
+  against the free space where ``data.cache_dir`` lives.
 - **target**: built-in, local directory, or Hub id. A Hub id is looked up in the local HF cache
   only (``HF_HOME``/``HF_HUB_CACHE``; the dry run never downloads). For a real run whose other
   checks all pass, a Hub id missing from the cache is fetched here, once, in the launching process
@@ -232,9 +232,14 @@ def _disk_check(recipe, plan) -> Check:
     width = (len(recipe.target.feature_layers or [A.num_layers]) + 1) * A.hidden_size
     nbytes = {"fp32": 4, "bf16": 2, "fp16": 2}[recipe.target.dtype]
     need = plan.total_tokens * width * nbytes
+    # a batched capture on the engine reads the states self-distillation kept (train/genstates.py):
+    # those files stay beside the store (a rerun on more data reuses them), as much again
+    kept = d.capture_batch_size > 1 and (d.responses.dtype or recipe.target.dtype) == recipe.target.dtype
+    need *= 2 if kept else 1
     where = _existing_parent(Path(d.cache_dir))
     free = shutil.disk_usage(where).free
-    text = f"offline features ~{need / GB:.2f} GB in {d.cache_dir}, {free / GB:.1f} GB free on {where}"
+    text = (f"offline features ~{need / GB:.2f} GB in {d.cache_dir}" + (" (with the states generation keeps)" if kept else "")
+            + f", {free / GB:.1f} GB free on {where}")
     return Check("disk", "fail" if need > free else "ok", text if need <= free else "not enough disk: " + text)
 
 

@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         source.prepare(train_ds)
         if source.states is not None and source.states.found:
             acc.print(f"[capture] {source.states.found} of {len(train_ds)} sequences' hidden states came from the "
-                      f"self-distillation's forwards; the others were captured")
+                      f"self-distillation's forwards, {len(train_ds) - source.states.found} captured")
         if val_ds is not None:
             val_source = hidden_states(val_ds)
             val_source.prepare(val_ds, progress=False)
