@@ -105,10 +105,15 @@ def test_single_process_run_writes_a_complete_run_directory(tmp_path, tiny_targe
 def test_deepspeed_two_processes_on_cpu(tmp_path, tiny_target_dir, stage):
     recipe = _recipe(tmp_path, tiny_target_dir, config="zero-cpu-2proc", deepspeed=stage)
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "specfoundry.runtime.cli", "train", str(recipe)], env=env,
+    # zero2: the batched engine capture, whose store the main process fills from the states its
+    # self-distillation kept while the other rank waits, then reads
+    extra = ["--set", "data.capture_batch_size=4"] if stage == "zero2" else []
+    proc = subprocess.run([sys.executable, "-m", "specfoundry.runtime.cli", "train", str(recipe), *extra], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = _check_run(tmp_path / "run", tiny_target_dir)
+    stores = list((tmp_path / "cache" / "features").glob("*-engine-gen"))
+    assert len(stores) == (1 if stage == "zero2" else 0), stores
     # every rank's ZeRO shard went into the checkpoint
     ckpt = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))[-1]
     assert len(list(ckpt.rglob("*rank_1*"))) >= 1, sorted(p.name for p in ckpt.rglob("*"))
