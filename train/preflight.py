@@ -233,7 +233,8 @@ def _disk_check(recipe, plan) -> Check:
     nbytes = {"fp32": 4, "bf16": 2, "fp16": 2}[recipe.target.dtype]
     need = plan.total_tokens * width * nbytes
     # a batched capture on the engine reads the states self-distillation kept (train/genstates.py):
-    # those files stay beside the store (a rerun on more data reuses them), as much again
+    # those files stay beside the store (a rerun on more data reuses them), as much again. Counted for
+    # any batched capture: preflight loads no model, so it cannot tell an engine target from a HF one
     kept = d.capture_batch_size > 1 and (d.responses.dtype or recipe.target.dtype) == recipe.target.dtype
     need *= 2 if kept else 1
     where = _existing_parent(Path(d.cache_dir))
