@@ -90,6 +90,8 @@ def test_single_process_run_writes_a_complete_run_directory(tmp_path, tiny_targe
     for store in stores:
         assert json.loads((store / "manifest.json").read_text())["header"]["states"] == "generation"
     assert "hidden states came from the self-distillation's forwards" in capsys.readouterr().out
+    capture = json.loads((tmp_path / "run" / "train_summary.json").read_text())["stages"]["capture"]
+    assert capture["from_generation"] == capture["planned"] > 0
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert runs
     # eval_every: held-out metrics at steps 2 and 4, logged to W&B beside the training metrics

@@ -392,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         if val_ds is not None:
             val_source = hidden_states(val_ds)
             val_source.prepare(val_ds, progress=False)
+    # (0 when the stores were complete from an earlier run: nothing was read or captured now)
+    from_generation = source.states.found + (val_source.states.found if val_ds is not None else 0) \
+        if keep_states else None
     tr = recipe.training
     P, rank = acc.num_processes, acc.process_index
     # every process walks the same batch order and takes every P-th batch; the tail that cannot
@@ -448,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     from .stages import capture_stage, data_stage, training_stage
 
     result["stages"] = {"data": data_stage(data_stats, d.max_minutes),
-                        "capture": capture_stage(d.hidden_states, len(train_ds) + (len(val_ds) if val_ds else 0)),
+                        "capture": capture_stage(d.hidden_states, len(train_ds) + (len(val_ds) if val_ds else 0),
+                                                 from_generation),
                         "training": training_stage(steps, summary, tr.max_minutes)}
     if acc.is_main_process:
         with plain_hf_init():

@@ -32,11 +32,14 @@ def data_stage(stats: dict, max_minutes) -> dict:
             "chunks_skipped": stats.get("chunks_skipped", 0)}
 
 
-def capture_stage(mode: str, sequences: int) -> dict:
+def capture_stage(mode: str, sequences: int, from_generation: int | None = None) -> dict:
     """Hidden-state capture has no minute guard: offline, every sequence's states are written
-    before training starts (or the run fails); online, they are computed inside each step."""
+    before training starts (or the run fails); online, they are computed inside each step.
+    ``from_generation``: of those, how many the store read from the states self-distillation kept
+    (train/genstates.py) instead of capturing them (None where it does not read any)."""
     return {"unit": "sequences", "mode": mode, "planned": sequences, "done": sequences,
-            "stopped_by_guard": False, "guard": None}
+            "stopped_by_guard": False, "guard": None,
+            **({"from_generation": from_generation} if from_generation is not None else {})}
 
 
 def training_stage(planned_steps: int, summary: dict, max_minutes) -> dict:
