@@ -694,10 +694,15 @@ def test_generation_keeps_the_states_a_capture_would_compute(dtype):
             for got, want in ((s[:, :2], f), (s[:, 2], h)):
                 err = (got.double() - want.double()).norm() / want.double().norm()
                 assert err < bound, (slots, i, float(err))
-            # the last position too (the extra forward): its own row, not a copy of its neighbour's
+            # the last position too (the extra forward): computed, not left empty, and equal to the capture's
             assert (s[-1].double() - f.new_zeros(1).double()).abs().sum() > 0
             err_last = (s[-1, 2].double() - h[-1].double()).norm() / h[-1].double().norm()
             assert err_last < 3 * bound
+    # sampled answers too: a closing row's extra draw comes from its own finished prompt's stream
+    sampled = {**kw, "temperature": 1.0, "top_p": 0.9}
+    for slots in (1, 3):
+        assert generate_batched(eng, prompts, batch_size=slots, state_layers=layers, on_states=lambda i, s: None,
+                                **sampled) == generate_batched(eng, prompts, batch_size=slots, **sampled), slots
     with pytest.raises(ValueError, match="engine"):
         generate_batched(t.model, prompts, max_new_tokens=4, state_layers=layers, on_states=lambda i, s: None)
 
