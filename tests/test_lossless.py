@@ -34,6 +34,8 @@ def _drafters(target):
             out.append((f"{kind}-dynamic", load_drafter(kind, target=target), {}))
             out.append((f"{kind}-chain", load_drafter(kind, target=target, tree="chain"), dict(max_depth=4)))
             out.append((f"{kind}-tight", load_drafter(kind, target=target), dict(max_depth=2, max_nodes=5)))
+            # the head runs only the prompt's last 3 pairs (PROMPTS are up to 12 tokens long)
+            out.append((f"{kind}-window", load_drafter(kind, target=target, prompt_window=3), {}))
             # lookup steps and head steps interleave (the head's queued pairs span lookup steps)
             out.append((f"{kind}-lookup", LookupFirstDrafter(load_drafter(kind, target=target, tree="chain", depth=3),
                                                              min_match=2), {}))

@@ -41,11 +41,12 @@ def test_slot_drafts_propose_the_per_request_drafts(target, kind, shapes):
     """Rows of unequal length, varying accepted counts, a cycle of shapes (depth, nodes), a row
     leaving (the last row moves into its place) and one joining: every batched chain or tree
     equals the one the per-request drafter proposes from the same pairs (the long prompt's head
-    pass runs alone, lazily, at the first proposal)."""
-    base = load_drafter(kind, target, tree="dynamic", depth=4, top_k=4, total_tokens=12)
+    pass runs alone, lazily, at the first proposal; with the drafter's prompt window of 40 it runs
+    the prompt's last 40 pairs, as the drafter does)."""
+    base = load_drafter(kind, target, tree="dynamic", depth=4, top_k=4, total_tokens=12, prompt_window=40)
     F, H = len(base.feature_layers), target.hidden_size
     g = torch.Generator().manual_seed(0)
-    slots = SlotDrafts(base.head, slots=4, capacity=256)
+    slots = SlotDrafts(base.head, slots=4, capacity=256, prompt_window=base.prompt_window)
     rows: list[dict] = []  # per row: {"ids": [1, L] tokens, "solo": drafter}
 
     def admit(length):
@@ -65,6 +66,7 @@ def test_slot_drafts_propose_the_per_request_drafts(target, kind, shapes):
                                 [None] * len(rows), nodes=nodes, top_k=4)
         if step == 0:
             assert slots.catchup_seconds > 0  # the 45-token prompt ran alone
+            assert slots.lengths[1] == 40  # its last 40 pairs
         if nodes > depth + 1:  # really trees: a row with a head output gets the whole node budget
             assert max(d.num_nodes for d in batched) == nodes
         for b, r in enumerate(rows):
@@ -113,13 +115,14 @@ def test_slot_drafts_cost_one_head_forward_per_depth(target, monkeypatch):
 
 def test_serving_with_slot_drafts_is_lossless_under_load(target):
     """The engine drafts EAGLE-3 chains for all rows at once (forced on, and by the cost model):
-    every request's greedy output is its solo output."""
-    d = load_drafter("eagle3", target)
+    every request's greedy output is its solo output (the head running each prompt's last 2 pairs,
+    as its drafter does)."""
+    d = load_drafter("eagle3", target, prompt_window=2)
     ps = prompts(10)
     want = solo(target, ps)
     for table in ("1-:3", None):
         with ServingEngine(target, d, max_batch=4, max_queue=16, speculation_table=table) as eng:
-            assert eng.slot_drafts is not None
+            assert eng.slot_drafts is not None and eng.slot_drafts.prompt_window == 2
             got = [h.result() for h in [eng.submit(Request(p, max_new_tokens=24, stop_at_eos=False)) for p in ps]]
         assert [x[0] for x in got] == want
         if table:

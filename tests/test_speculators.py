@@ -432,6 +432,40 @@ def test_greedy_chain_fast_path_equals_the_tree_search(kind, target):
         ids = torch.cat([ids, new], dim=1)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_the_head_runs_only_the_prompts_last_pairs(kind, target):
+    """prompt_window=5 over a 20-token prompt: the head's cache holds 5 pairs after the first
+    proposal, and every draft (commits in between) is the one a drafter given only the prompt's
+    last 6 tokens proposes; 0 runs them all, a negative or non-integer window is refused."""
+    from specfoundry.runtime.drafters.eagle import PROMPT_WINDOW
+
+    assert load_drafter(kind, target).prompt_window == PROMPT_WINDOW
+    for bad in (-1, 2.0, "8"):
+        with pytest.raises(ValueError, match="prompt_window"):
+            load_drafter(kind, target, prompt_window=bad)
+    windowed = load_drafter(kind, target, prompt_window=5)
+    tail, everything = load_drafter(kind, target), load_drafter(kind, target, prompt_window=0)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (1, 20), generator=g)
+    feats = target.forward(ids[:, :-1], target.new_cache(), feature_layers=windowed.feature_layers).features
+    windowed.begin(ids, feats)
+    everything.begin(ids, feats)
+    tail.begin(ids[:, -6:], feats[:, -5:])
+    short = ids[:, -6:]
+    for step in range(5):
+        a = windowed.propose(DraftContext(ids, SamplingParams(0.0), 3, 6))
+        b = tail.propose(DraftContext(short, SamplingParams(0.0), 3, 6))
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents), step
+        everything.propose(DraftContext(ids, SamplingParams(0.0), 3, 6))
+        if step == 0:
+            assert windowed.cache.length == 5 and everything.cache.length == 19
+        new = torch.cat([a.tokens[0, 1:1 + step % 3], torch.randint(0, V, (1,), generator=g)]).view(1, -1)
+        f = torch.randn(1, new.shape[1], *feats.shape[2:], generator=g, dtype=feats.dtype)
+        for d in (windowed, tail, everything):
+            d.commit(new, f)
+        ids, short = torch.cat([ids, new], dim=1), torch.cat([short, new], dim=1)
+
+
 def naive_hidden(head, feats, prompt, path_tokens):
     """Head output for the last pair, recomputed from scratch along one path (no cache, causal)."""
     fused = head.fuse_features(feats)  # pairs (feature_t, token_{t+1})

@@ -42,6 +42,13 @@ engine's rows do; True drafts the sampled tree above. Why: a sampled tree is dra
 step by step in Python where a chain runs in C, and at T=1 a tree barely accepts more: the default
 head on Spec-Bench, 2 threads, lookup-tree@2/4 0.91x plain (draft 3.1 ms, verify 11.3 ms per step,
 tau 1.36) against lookup@2 1.09x (1.5 ms, 9.5 ms, tau 1.32) (docs/results.md, twenty-fifth session).
+``prompt_window`` (:data:`PROMPT_WINDOW`; 0 = all): the head runs only the prompt's last that many
+pairs (:func:`prompt_pairs`), its positions counted from the first of them (RoPE scores depend
+only on distances); the drafts change, never the output. Why: on a long prompt the head's pass
+over every pair and its attention over them afterwards cost more than its drafting: Spec-Bench's
+rag / summarization first turns (~700 tokens), 1 thread, ~80 ms for the pass and 2.0 ms per
+proposal after it against 1.4 ms on short prompts, while its tau was the same with the last 16-256
+pairs (docs/results.md, forty-sixth session).
 """
 
 from __future__ import annotations
@@ -61,9 +68,22 @@ from ..target import KVCache
 from ..tree import Draft, over_target_vocab, subtree
 from .base import DraftContext, Drafter, register_drafter
 
-__all__ = ["EagleDrafter", "Eagle3Drafter"]
+__all__ = ["EagleDrafter", "Eagle3Drafter", "PROMPT_WINDOW", "prompt_pairs"]
 
 MAX_C_TOP_K = cpu_layers.MAX_TOKENS  # a greedy tree's top-k the head's one C call takes (its steps' rows)
+#: prompt pairs the head runs by default (the default head trains on 320-token sequences; see the module doc)
+PROMPT_WINDOW = 64
+
+
+def prompt_pairs(prompt_ids: torch.Tensor, features: torch.Tensor | None,
+                 window: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The committed pairs of a prompt ``[1, L]`` (next ids ``prompt_ids[:, 1:]``, ``features``
+    ``[1, L-1, F, H]`` or None) a head runs: the last ``window`` of them (all for 0)."""
+    next_ids = prompt_ids[:, 1:]
+    if window and next_ids.shape[1] > window:
+        next_ids = next_ids[:, -window:]
+        features = None if features is None else features[:, -window:]
+    return next_ids, features
 
 
 class EagleDrafter(Drafter):
@@ -71,7 +91,7 @@ class EagleDrafter(Drafter):
     head_class = EagleHead
 
     def __init__(self, head, *, tree: str = "dynamic", depth: int = 5, top_k: int = 8, total_tokens: int = 32,
-                 sampled_trees: bool = False, draft_temperature: float = 1.0):
+                 sampled_trees: bool = False, draft_temperature: float = 1.0, prompt_window: int = PROMPT_WINDOW):
         if not isinstance(head, self.head_class):
             raise TypeError(f"the {self.type} drafter needs a {self.head_class.__name__}, got {type(head).__name__}")
         if tree not in ("dynamic", "chain"):
@@ -83,6 +103,7 @@ class EagleDrafter(Drafter):
             raise ValueError(f"sampled_trees must be True or False, got {sampled_trees!r}")
         self.draft_temperature = check_real("draft_temperature", draft_temperature, 0.0, MAX_DRAFT_TEMPERATURE,
                                             lo_open=True)
+        self.prompt_window = check_int("prompt_window", prompt_window, 0)
         self.head = head.eval()
         self.tree = tree
         self.sampled_trees = sampled_trees
@@ -139,7 +160,7 @@ class EagleDrafter(Drafter):
         self._root_hidden = None
         self._plan = False  # the head's draft_plan for this request, taken when first needed
         self._num_tokens = prompt_ids.shape[1]
-        self._enqueue(prompt_ids[:, 1:], features)
+        self._enqueue(*prompt_pairs(prompt_ids, features, self.prompt_window))
 
     def commit(self, new_tokens: torch.Tensor, features: torch.Tensor | None) -> None:
         # features: old root + accepted drafts; pairs (feature_i, token_{i+1}) = (features, new_tokens)

@@ -37,7 +37,7 @@ import time
 import torch
 
 from ..sampling import SamplingParams, draft_params, probs_from_logits, sample, tree_log_probs
-from ..drafters.eagle import topk_first
+from ..drafters.eagle import PROMPT_WINDOW, prompt_pairs, topk_first
 from ..tree import Draft, over_target_vocab, subtree
 
 __all__ = ["LONG_QUEUE", "SlotDrafts"]
@@ -51,12 +51,14 @@ class SlotDrafts:
     Rows mirror the serving :class:`~.slots.SlotCache`: the caller adds, commits and removes
     them in the same order."""
 
-    def __init__(self, head, slots: int, capacity: int, draft_temperature: float = 1.0):
+    def __init__(self, head, slots: int, capacity: int, draft_temperature: float = 1.0,
+                 prompt_window: int = PROMPT_WINDOW):
         if not (hasattr(head, "step_rows") and hasattr(head, "fuse_features")):
             raise TypeError(f"{type(head).__name__} has no batched drafting step")
         a = head.architecture
         self.head = head
         self.draft_temperature = draft_temperature  # the drafter's (EagleDrafter.draft_temperature)
+        self.prompt_window = prompt_window  # and its EagleDrafter.prompt_window
         with torch.inference_mode():
             self.kv = torch.zeros(2, slots, a["num_key_value_heads"], capacity, a["head_dim"], dtype=head.dtype,
                                   device=head.device)
@@ -75,8 +77,8 @@ class SlotDrafts:
         """Row ``row`` starts a sequence: ``prompt_ids`` ``[1, L]``, ``features`` ``[1, L-1, F, H]``
         of the prefilled ``prompt_ids[:, :-1]`` (see the drafter protocol)."""
         self.lengths[row], self._pending[row], self._root[row] = 0, [], None
-        if prompt_ids.shape[1] > 1:
-            self._queue(row, prompt_ids[:, 1:], features)  # run when the row first drafts
+        if prompt_ids.shape[1] > 1:  # (the drafter's last prompt_window pairs) run when the row first drafts
+            self._queue(row, *prompt_pairs(prompt_ids, features, self.prompt_window))
 
     @torch.inference_mode()
     def commit(self, row: int, new_tokens: torch.Tensor, features: torch.Tensor | None) -> None:

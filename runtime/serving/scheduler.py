@@ -166,7 +166,7 @@ class ServingEngine:
                 self._tree = (head_drafter.total_tokens, head_drafter.top_k)
             width = self._tree[1] * self._head_depth if self._tree else self.max_depth
             self.slot_drafts = SlotDrafts(head_drafter.head, max_batch, self.max_context + max(width, self.max_depth) + 2,
-                                          head_drafter.draft_temperature)
+                                          head_drafter.draft_temperature, head_drafter.prompt_window)
         self._waiting: deque[RequestHandle] = deque()
         self._seqs: list[_Seq] = []
         self._filling: deque[_Fill] = deque()  # admitted, prompt being prefilled (no slot row yet)
