@@ -91,6 +91,10 @@ def _cases(target):
         # a tree shape asked to sample drafts a chain of its depth (sampled_trees=False, the default)
         cases.append(("eagle3 tree shape drafting chains T=1", load_drafter("eagle3", target=target, top_k=2, depth=2),
                       dict(max_depth=2, max_nodes=7), SamplingParams(1.0)))
+        # the head runs only the prompt's last pair of two (prompt_window): other drafts, the same distribution
+        cases.append(("eagle3 chain, prompt window 1 T=1", load_drafter("eagle3", target=target, tree="chain", depth=2,
+                                                                        prompt_window=1),
+                      dict(max_depth=2, max_nodes=3), SamplingParams(1.0)))
         # one-hot lookup chains when the last token occurred before, sampled head chains otherwise
         from specfoundry.runtime.drafters.lookup import LookupFirstDrafter
 
@@ -133,7 +137,8 @@ def _cases(target):
 
 
 CASE_NAMES = ["draft-chain T=1", "draft-chain T=0.7 top-p 0.9", "ngram deterministic T=1.3 top-k 4", "plain T=0.9 top-p 0.9",
-              "eagle3 dynamic tree T=1", "eagle3 tree shape drafting chains T=1", "eagle3 chain, lookup first T=1", "eagle3 small tree, lookup first T=1",
+              "eagle3 dynamic tree T=1", "eagle3 tree shape drafting chains T=1", "eagle3 chain, prompt window 1 T=1",
+              "eagle3 chain, lookup first T=1", "eagle3 small tree, lookup first T=1",
               "eagle3 reduced vocab T=1",
               "eagle3 sampled tree draft temperature 1.5 T=0.8 top-p 0.9",
               "eagle3 chain reduced vocab T=0.8 top-p 0.9", "medusa static tree T=0.8 top-p 0.95",

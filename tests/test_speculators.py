@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specfoundry.runtime.drafters import DRAFTER_REGISTRY, load_drafter
 from specfoundry.runtime.drafters.base import DraftContext
-from specfoundry.runtime.drafters.eagle import Eagle3Drafter, EagleDrafter
+from specfoundry.runtime.drafters.eagle import PROMPT_WINDOW, Eagle3Drafter, EagleDrafter
 from specfoundry.runtime.drafters.medusa import MedusaDrafter
 from specfoundry.runtime.generator import SpeculativeGenerator
 from specfoundry.runtime.sampling import SamplingParams, probs_from_logits
@@ -437,8 +437,6 @@ def test_the_head_runs_only_the_prompts_last_pairs(kind, target):
     """prompt_window=5 over a 20-token prompt: the head's cache holds 5 pairs after the first
     proposal, and every draft (commits in between) is the one a drafter given only the prompt's
     last 6 tokens proposes; 0 runs them all, a negative or non-integer window is refused."""
-    from specfoundry.runtime.drafters.eagle import PROMPT_WINDOW
-
     assert load_drafter(kind, target).prompt_window == PROMPT_WINDOW
     for bad in (-1, 2.0, "8"):
         with pytest.raises(ValueError, match="prompt_window"):
