@@ -172,6 +172,10 @@ def run_cli(args) -> int:
 
     # speed-ups count against the fastest plain decoding: on the products that decode fastest here
     choice = plain_kernel_choice(target, target.encode_chat([{"role": "user", "content": prompts[0].turns[0]}]))
+    # measured at the first load on this machine, then kept (runtime/choices.py): a run names which
+    kernels_from = target._engine().kernels_from if hasattr(target, "_engine") else None
+    if kernels_from is not None:
+        print(f"[bench] engine kernels {kernels_name(choice['engine'])}: {kernels_from}", file=sys.stderr)
     if choice["ms_per_token"]:
         print("[bench] plain decoding by products: " + ", ".join(
             f"{kernels_name(k)} {ms:.2f} ms/token" for k, ms in choice["ms_per_token"].items())
@@ -198,7 +202,8 @@ def run_cli(args) -> int:
         "datasets": sorted({p.dataset for p in prompts}), "limit": args.limit, "runs": [str(r) for r in args.run],
         "categories": sorted({p.key for p in prompts}), "prompts": len(prompts),
         "turns": sum(len(p.turns) for p in prompts), "device": args.device,
-        "kernels": {"engine": kernels_name(choice["engine"]), "plain": kernels_name(choice["plain"]),
+        "kernels": {"engine": kernels_name(choice["engine"]), "engine_from": kernels_from,
+                    "plain": kernels_name(choice["plain"]),
                     "plain_ms_per_token": {kernels_name(k): ms for k, ms in choice["ms_per_token"].items()}}}, env)
 
 

@@ -271,7 +271,8 @@ def to_markdown(report: dict) -> str:
         timed = kern.get("plain_ms_per_token") or {}
         L += [f"Products: plain decoding on `{kern['plain']}`, speculative methods on the engine's `{kern['engine']}`"
               + (" (plain decoding timed on each before the run: " + ", ".join(
-                  f"`{k}` {ms:.2f} ms/token" for k, ms in timed.items()) + ")" if timed else "") + ".", ""]
+                  f"`{k}` {ms:.2f} ms/token" for k, ms in timed.items()) + ")" if timed else "")
+              + (f"; the engine's choice {kern['engine_from']}" if kern.get("engine_from") else "") + ".", ""]
     if report.get("parts"):
         L += [f"Merged from {len(report['parts'])} runs with the same methods and settings (each speed-up is a "
               "ratio within one run's prompt): " + "; ".join(

@@ -36,13 +36,16 @@ module holds the weights, the kernels and the forward.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import os
 from operator import attrgetter, methodcaller
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from . import cpu_attention, cpu_gemv, cpu_layers, native
+from . import choices, cpu_attention, cpu_gemv, cpu_layers, native
 from .kvcache import MaskBuffer, StaticKVCache, attend, grouped_attention, prefill_causal, rotate
 from .target import TargetModel, TargetOutput
 from .timing import best_seconds
@@ -51,6 +54,13 @@ __all__ = ["KERNELS", "EngineTarget", "LlamaEngine", "MaskBuffer", "PreparedLine
            "attend", "engine_support", "grouped_attention", "rms_norm", "rotate"]
 
 _MATRICES = ("wqkv", "wo", "w_gu", "w_down", "lm_head")
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_sources() -> str:
+    """A hash of the modules that define and choose the kernels: an edit measures the choice again."""
+    files = [__file__] + [m.__file__ for m in (cpu_attention, cpu_gemv, cpu_layers, native)]
+    return hashlib.sha256(b"".join(Path(f).read_bytes() for f in files)).hexdigest()[:16]
 _VERSION = attrgetter("_version")
 _DATA_PTR = methodcaller("data_ptr")
 
@@ -360,21 +370,54 @@ class LlamaEngine:
         self.head = {"lm_head": self.lm_head}
         self.rotary = inner.rotary_emb
         self.layers = [self._fuse(layer) for layer in inner.layers]
-        # (one-row kernel, several-row kernel): chosen by measurement on this machine unless given
-        self.kernels = self._choose_kernels() if kernels == "auto" else tuple(kernels)
-        self._prepare(self.kernels)
         self._rope = RopeTable(self.rotary)
         self.masks = MaskBuffer(self.groups, self.device)
         # decode and verification steps of one sequence in one C call where it runs (cpu_layers);
         # False keeps the op-by-op forward (A/B measurements, tests)
         self.use_layer_kernel = True
         self.version = self.weights_version()
-        if kernels == "auto":
-            forced = os.environ.get(KERNELS_ENV, "auto")
-            options = self.layer_kernel_options() if forced != "auto" else []
-            # (a model the layer kernel does not run, e.g. the float32 copy that `auto` dtype times, keeps
-            # the timed choice: the variable names the layer kernel's products)
-            self.kernels = self._forced(forced, options) if options else self._prefer_layer_kernel(self.kernels)
+        if kernels != "auto":
+            self.kernels, self.kernels_from = tuple(kernels), "given"
+            self._prepare(self.kernels)
+            return
+        # (one-row kernel, several-row kernel[, many-row kernel]): measured on this machine, the first
+        # time only (runtime/choices.py: kernels whose sums differ in the last bits swapped places
+        # between processes, and with them a prompt's outputs)
+        parts = self._choice_parts()
+        products, self.kernels_from = self._kept("engine-products", parts, self._choose_kernels)
+        self.kernels = products
+        self._prepare(products)
+        forced = os.environ.get(KERNELS_ENV, "auto")
+        options = self.layer_kernel_options() if forced != "auto" else []
+        if options:
+            self.kernels = self._forced(forced, options)
+            return
+        # (a model the layer kernel does not run, e.g. the float32 copy that `auto` dtype times, keeps
+        # the timed choice: the variable names the layer kernel's products)
+        best, self.kernels_from = self._kept("engine-kernels", {**parts, "products": products},
+                                             lambda: self._prefer_layer_kernel(products))
+        self._prepare(best)
+        self._drop_unused(best)
+        self.kernels = best
+
+    def _kept(self, kind: str, parts: dict, measure) -> tuple[tuple[str, ...], str]:
+        """``measure()`` (a kernel tuple), or the one kept on this machine for ``parts`` (:func:`.choices.kept`;
+        off CPU nothing is measured: always measured here)."""
+        if self.device.type != "cpu":
+            return tuple(measure()), "measured"
+        value, where = choices.kept(kind, parts, lambda: list(measure()),
+                                    lambda v: isinstance(v, list) and 2 <= len(v) <= 3 and all(k in KERNELS for k in v))
+        return tuple(value), where
+
+    def _choice_parts(self) -> dict:
+        """What the engine's kernel choice depends on besides the machine (:func:`.choices.choice_path`):
+        the model's matrices, dtype, thread count, the kernels offered here and their sources."""
+        shapes = sorted({tuple(m.shape) for m in self._matrices()})
+        return {"dtype": str(self.dtype), "threads": torch.get_num_threads(), "layers": self.num_layers,
+                "matrices": [list(s) for s in shapes], "sources": _kernel_sources(),
+                "offered": {"avx2": cpu_gemv.available(), "avx512bf16": cpu_gemv.bf16_available(),
+                            "amx": self._amx_usable(), "onednn": torch.backends.mkldnn.is_available(),
+                            "fp32": self._fp32_bulk_fits()}}
 
     def _forced(self, name: str, layer_options: list[tuple[str, ...]]) -> tuple[str, ...]:
         """The product set of ``layer_options`` (:meth:`layer_kernel_options`) named by :data:`KERNELS_ENV`
@@ -593,8 +636,9 @@ class LlamaEngine:
             return best_seconds(lambda: [apply(x, p) for x, p in zip(xs, candidates[name])], 1, warm=False)
 
         def best_of(names: list[str], sizes: tuple[int, ...], warm: bool = False) -> tuple[str, dict]:
-            # two rounds over the candidates in turn (a machine that slows mid-measurement slows them
-            # all; the first round also pays any lazy set-up), each one's best per size, summed over the
+            # three rounds over the candidates in turn (a machine that slows mid-measurement slows them
+            # all; the first round also pays any lazy set-up; a third since the choice is kept per machine,
+            # runtime/choices.py), each one's best per size, summed over the
             # sizes; after the first round only those within 2x of the best go on. warm: an untimed
             # pass first (MKL's and oneDNN's first GEMMs of a shape cost a set-up that made the first
             # round drop the fastest many-row kernel, or pick another, on three loads in a row here)
@@ -602,7 +646,7 @@ class LlamaEngine:
                 for r in sizes:
                     cost(k, r)
             best = {(k, r): float("inf") for k in names for r in sizes}
-            for _ in range(2):
+            for _ in range(3):
                 for k in names:
                     for r in sizes:
                         best[(k, r)] = min(best[(k, r)], cost(k, r))

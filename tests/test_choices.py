@@ -1,0 +1,98 @@
+"""Measured choices kept per machine (runtime/choices.py) and the engine's kernel choice read back from them."""
+
+import json
+
+import pytest
+import torch
+
+from specfoundry.runtime import choices
+from specfoundry.runtime.engine import LlamaEngine
+from tiny_models import tiny_llama
+
+
+@pytest.fixture
+def keep(monkeypatch, tmp_path):
+    """Choices kept under a fresh cache (conftest's default measures every time)."""
+    monkeypatch.setenv("SPECFOUNDRY_CACHE", str(tmp_path))
+    monkeypatch.setenv(choices.CHOICES_ENV, "keep")
+    return tmp_path
+
+
+def _counting(value):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return value
+
+    return measure, calls
+
+
+def test_a_choice_is_measured_once_then_read_back(keep):
+    measure, calls = _counting(["a", "b"])
+    value, where = choices.kept("k", {"x": 1}, measure)
+    assert value == ["a", "b"] and len(calls) == 1 and where.startswith("measured, kept in ")
+    path = choices.choice_path("k", {"x": 1})
+    assert path.is_relative_to(keep) and json.loads(path.read_text())["value"] == ["a", "b"]
+    assert choices.kept("k", {"x": 1}, measure) == (["a", "b"], f"kept in {path}") and len(calls) == 1
+    # other parts are another choice
+    assert choices.kept("k", {"x": 2}, _counting(["c"])[0])[0] == ["c"]
+    assert choices.choice_path("k", {"x": 2}) != path and choices.kept("k", {"x": 1}, measure)[0] == ["a", "b"]
+
+
+def test_an_unreadable_or_rejected_choice_is_measured_again_and_replaced(keep):
+    path = choices.choice_path("k", {})
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    measure, calls = _counting(["m"])
+    assert choices.kept("k", {}, measure)[0] == ["m"] and len(calls) == 1
+    assert choices.kept("k", {}, measure, valid=lambda v: v != ["m"])[0] == ["m"] and len(calls) == 2
+    path.write_text(json.dumps({"no value": 1}))
+    assert choices.kept("k", {}, measure)[0] == ["m"] and len(calls) == 3
+    assert choices.kept("k", {}, measure)[1] == f"kept in {path}" and len(calls) == 3
+
+
+def test_renew_measures_again_and_measure_keeps_nothing(keep, monkeypatch):
+    choices.kept("k", {}, lambda: ["old"])
+    monkeypatch.setenv(choices.CHOICES_ENV, "renew")
+    assert choices.kept("k", {}, lambda: ["new"])[0] == ["new"]
+    monkeypatch.setenv(choices.CHOICES_ENV, "keep")
+    assert choices.kept("k", {}, lambda: ["other"])[0] == ["new"]
+    monkeypatch.setenv(choices.CHOICES_ENV, "measure")
+    measure, calls = _counting(["each"])
+    assert choices.kept("k", {}, measure) == (["each"], "measured") and choices.kept("k", {}, measure)[0] == ["each"]
+    assert len(calls) == 2 and not choices.choice_path("k2", {}).exists()
+    monkeypatch.setenv(choices.CHOICES_ENV, "sometimes")
+    with pytest.raises(ValueError, match="SPECFOUNDRY_CHOICES='sometimes'"):
+        choices.kept("k", {}, measure)
+
+
+def test_the_engine_measures_its_kernels_once_per_machine_and_thread_count(keep, monkeypatch, single_thread):
+    target = tiny_llama(0)  # its engine, built here, measured
+    model, first = target.model, target.engine
+    assert first.kernels_from.startswith("measured, kept in ")
+
+    def not_again(self, *a):
+        raise AssertionError("measured although kept")
+
+    monkeypatch.setattr(LlamaEngine, "_choose_kernels", not_again)
+    monkeypatch.setattr(LlamaEngine, "_forward_seconds", not_again)
+    again = LlamaEngine(model)
+    assert again.kernels == first.kernels and again.kernels_from.startswith("kept in ")
+    # what is kept is what runs (here a choice the measurement would not make), its weights prepared
+    for kind in ("engine-products", "engine-kernels"):
+        for path in (keep / "choices").glob(f"{kind}-*.json"):
+            record = json.loads(path.read_text())
+            path.write_text(json.dumps({**record, "value": ["gemv_t", "aten"]}))
+    kept = LlamaEngine(model)
+    assert kept.kernels == ("gemv_t", "aten")
+    with torch.inference_mode():
+        plain = kept.forward(torch.tensor([[1, 2, 3]]), kept.new_cache(capacity=8)).logits
+        ref = first.forward(torch.tensor([[1, 2, 3]]), first.new_cache(capacity=8)).logits
+    assert torch.allclose(plain, ref, rtol=1e-9, atol=1e-9)
+    # another thread count (or model, dtype, offered kernels, kernel sources) is another choice
+    torch.set_num_threads(2)
+    with pytest.raises(AssertionError, match="measured although kept"):
+        LlamaEngine(model)
+    # given kernels are neither measured nor kept
+    assert LlamaEngine(model, kernels=("aten", "aten")).kernels_from == "given"
