@@ -631,6 +631,11 @@ class LlamaEngine:
             candidates.pop("onednn", None)
 
         def cost(name: str, rows: int) -> float:
+            if name == "fp32" and rows < FP32_ROWS:
+                # what runs there when fp32 is the many-row kernel (kernel_for): timing its copies at 32 rows,
+                # where they never run, made the choice a coin toss (a Xeon without AMX: 32 + 128 rows
+                # fp32 130 ms, AVX-512 BF16 142, oneDNN 144; as they run, fp32 118; forty-seventh session)
+                name = several
             apply = KERNELS[name][1]
             xs = [torch.randn(rows, m.shape[1], dtype=self.dtype) for m in mats]
             return best_seconds(lambda: [apply(x, p) for x, p in zip(xs, candidates[name])], 1, warm=False)

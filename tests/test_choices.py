@@ -96,3 +96,27 @@ def test_the_engine_measures_its_kernels_once_per_machine_and_thread_count(keep,
         LlamaEngine(model)
     # given kernels are neither measured nor kept
     assert LlamaEngine(model, kernels=("aten", "aten")).kernels_from == "given"
+
+
+def test_a_choice_measured_while_other_processes_ran_is_used_not_kept(keep, monkeypatch):
+    monkeypatch.setattr(choices, "_others_cores", lambda before: choices.BUSY_CORES + 0.5)
+    measure, calls = _counting(["busy"])
+    value, where = choices.kept("k", {}, measure)
+    assert value == ["busy"] and where.startswith("measured, not kept: other processes kept 1.0 cores busy")
+    assert not choices.choice_path("k", {}).exists()
+    monkeypatch.setattr(choices, "_others_cores", lambda before: 0.0)
+    assert choices.kept("k", {}, measure)[1].startswith("measured, kept in ") and len(calls) == 2
+
+
+@pytest.mark.skipif(choices._busy_seconds() is None, reason="no /proc/stat here")
+def test_other_processes_cpu_time_is_seen():
+    import subprocess
+    import sys
+    import time
+
+    before = choices._busy_seconds()
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
+    time.sleep(1.0)  # this process idle: the spinning child (not yet waited for) is another process's work
+    others = choices._others_cores(before)
+    spin.wait()
+    assert others >= 0.5

@@ -505,6 +505,39 @@ def test_fp32_many_row_products_widen_bf16_and_are_offered_only_where_their_copi
     assert not bf16._fp32_bulk_fits()
 
 
+def test_fp32_many_row_products_are_timed_as_they_run(monkeypatch):
+    """Below FP32_ROWS kernel_for runs a product on the several-row kernel even where fp32 is the many-row
+    one, so the choice times that kernel there for fp32, never fp32's copies (which lost a close choice
+    at 32 rows, where they never run): fp32 wins on rows where it is the fastest and the others tie."""
+    from specfoundry.runtime import cpu_gemv
+    from specfoundry.runtime import engine as engine_mod
+
+    few = "avx512bf16" if cpu_gemv.bf16_available() else "avx2" if cpu_gemv.available() else None
+    eng = LlamaEngine(tiny_llama(0, dtype=torch.bfloat16).model, kernels=("aten", "aten"))
+    if few is None or not eng._fp32_bulk_fits():
+        pytest.skip("needs a few-row kernel (AVX2 or AVX-512 BF16) and memory for fp32 copies")
+    timed, last, kernels = [], {}, dict(engine_mod.KERNELS)
+
+    def fake_cost(name, rows):  # the few-row kernel cheapest up to 32 rows, fp32 at 128
+        if rows <= 32:
+            return 1.0 if name == few else 3.0
+        return 1.0 if name == "fp32" else 3.0
+
+    def timed_apply(name):
+        def apply(x, p, b=None):
+            rows = x.numel() // x.shape[-1]
+            timed.append((name, rows))
+            last["cost"] = fake_cost(name, rows)
+            return kernels[name][1](x, p, b)
+        return apply
+
+    monkeypatch.setattr(engine_mod, "KERNELS", {k: (v[0], timed_apply(k)) for k, v in kernels.items()})
+    monkeypatch.setattr(engine_mod, "best_seconds", lambda fn, *a, **k: fn() and last.pop("cost"))
+    chosen = eng._choose_kernels()
+    assert chosen[1] == few and chosen[2] == "fp32"
+    assert ("fp32", 128) in timed and not [r for k, r in timed if k == "fp32" and r < engine_mod.FP32_ROWS]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [5, 37])
 def test_a_prefill_attends_by_the_causal_flag_as_by_the_mask(dtype, n):
