@@ -74,9 +74,11 @@ def _busy_seconds() -> tuple[float, float, float] | None:
 
 
 def _others_cores(before: tuple[float, float, float] | None) -> float:
-    """Cores other processes kept busy on average since ``before`` (:func:`_busy_seconds`); 0 where unknown."""
+    """Cores other processes kept busy on average since ``before`` (:func:`_busy_seconds`); 0 where unknown
+    or under a quarter second (/proc/stat counts in 10 ms ticks per CPU: a measurement that times
+    nothing, e.g. one candidate only, read as 5 cores busy on a 2-core machine)."""
     after = _busy_seconds()
-    if before is None or after is None or after[2] <= before[2]:
+    if before is None or after is None or after[2] - before[2] < 0.25:
         return 0.0
     return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / (after[2] - before[2])
 
