@@ -8,9 +8,10 @@ float32 wins. On CUDA no measurement is needed: bfloat16 where supported, else f
 
 The measurement: the model in float32 and a bfloat16 copy, each behind the same backend, a
 64-token prefill, then single-token decode steps timed alternately (best of ``reps`` each, so
-a burst of load on a shared machine hits both). A few seconds at load time; the line it prints
-says what was measured. Where a float32 copy would not fit comfortably in memory the choice is
-bfloat16 without measuring, and the line says so.
+a burst of load on a shared machine hits both). A few seconds at the first load on a machine,
+then kept (:mod:`.choices`: each later process serves in that dtype, so the same text); the line
+it prints says what was measured and where it is kept. Where a float32 copy would not fit
+comfortably in memory the choice is bfloat16 without measuring, and the line says so.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import copy
 
 import torch
 
-from . import native
+from . import choices, native
 from .timing import best_seconds
 
 
@@ -38,9 +39,12 @@ def plain_step_seconds(target, reps: int = 5, past: int = 64) -> float:
     return best_seconds(once, reps, target.device)
 
 
-def choose(model, wrap, device: torch.device, reps: int = 5) -> tuple[torch.dtype, dict]:
+def choose(model, wrap, device: torch.device, reps: int = 5, key: dict | None = None) -> tuple[torch.dtype, dict]:
     """(dtype, what was measured) for a float32 HF ``model`` on ``device``; ``wrap(model)`` builds
-    the target the caller will serve (same backend for every candidate)."""
+    the target the caller will serve (same backend for every candidate). On a CPU the choice is kept
+    per machine (:func:`.choices.kept`, under ``key`` (the caller's backend) with the thread count and the
+    model's parameter shapes): a later process serves in the same dtype without measuring (a dtype
+    is the target's whole arithmetic: measured afresh, two processes could serve different text)."""
     if device.type == "cuda":
         dt = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return dt, {"reason": "CUDA: bfloat16 where supported, else float16"}
@@ -51,15 +55,35 @@ def choose(model, wrap, device: torch.device, reps: int = 5) -> tuple[torch.dtyp
     if avail is not None and 1.5 * nbytes > avail:
         return torch.bfloat16, {"reason": f"a float32 copy ({nbytes / 2**30:.1f} GiB) would not fit next to the "
                                           f"bfloat16 one in {avail / 2**30:.1f} GiB available: bfloat16 unmeasured"}
-    half = copy.deepcopy(model).to(torch.bfloat16)  # copied before wrapping re-points the model's weights
-    targets = {torch.float32: wrap(model), torch.bfloat16: wrap(half)}
-    best = {dt: float("inf") for dt in targets}
-    for _ in range(reps):  # alternate, so a burst of outside load hits both candidates
-        for dt, t in targets.items():
-            best[dt] = min(best[dt], plain_step_seconds(t, reps=1))
-    dt = min(best, key=best.get)
-    return dt, {"ms_per_token": {str(k).removeprefix("torch."): round(1000 * v, 2) for k, v in best.items()},
-                "threads": torch.get_num_threads(), "target": targets[dt]}
+    measured = {}
+
+    def measure() -> dict:
+        half = copy.deepcopy(model).to(torch.bfloat16)  # copied before wrapping re-points the model's weights
+        targets = {torch.float32: wrap(model), torch.bfloat16: wrap(half)}
+        best = {dt: float("inf") for dt in targets}
+        for _ in range(reps):  # alternate, so a burst of outside load hits both candidates
+            for dt, t in targets.items():
+                best[dt] = min(best[dt], plain_step_seconds(t, reps=1))
+        dt = min(best, key=best.get)
+        measured["target"] = targets[dt]
+        return {"dtype": _name(dt), "ms_per_token": {_name(k): round(1000 * v, 2) for k, v in best.items()}}
+
+    parts = {**(key or {}), "threads": torch.get_num_threads(),
+             "parameters": sorted({tuple(p.shape) for p in model.parameters()}), "count": sum(1 for _ in model.parameters())}
+    value, where = choices.kept("serving-dtype", parts, measure,
+                                lambda v: isinstance(v, dict) and v.get("dtype") in _DTYPES and isinstance(v.get("ms_per_token"), dict))
+    dt = _DTYPES[value["dtype"]]
+    info = {"ms_per_token": value["ms_per_token"], "threads": torch.get_num_threads(), "from": where}
+    if "target" in measured:
+        info["target"] = measured["target"]
+    return dt, info
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def describe(name: str, dtype: torch.dtype, info: dict) -> str:
@@ -69,4 +93,5 @@ def describe(name: str, dtype: torch.dtype, info: dict) -> str:
     if not ms:
         return f"[specfoundry] {name}: dtype auto -> {chosen} ({info.get('reason', '')})"
     measured = ", ".join(f"{k} {v} ms" for k, v in ms.items())
-    return f"[specfoundry] {name}: dtype auto -> {chosen} (plain decode step measured: {measured}; {info['threads']} thread(s))"
+    return (f"[specfoundry] {name}: dtype auto -> {chosen} (plain decode step measured: {measured}; {info['threads']} "
+            f"thread(s); {info.get('from', 'measured')})")

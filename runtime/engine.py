@@ -54,6 +54,8 @@ __all__ = ["KERNELS", "EngineTarget", "LlamaEngine", "MaskBuffer", "PreparedLine
            "attend", "engine_support", "grouped_attention", "rms_norm", "rotate"]
 
 _MATRICES = ("wqkv", "wo", "w_gu", "w_down", "lm_head")
+_VERSION = attrgetter("_version")
+_DATA_PTR = methodcaller("data_ptr")
 
 
 @functools.lru_cache(maxsize=1)
@@ -61,8 +63,6 @@ def _kernel_sources() -> str:
     """A hash of the modules that define and choose the kernels: an edit measures the choice again."""
     files = [__file__] + [m.__file__ for m in (cpu_attention, cpu_gemv, cpu_layers, native)]
     return hashlib.sha256(b"".join(Path(f).read_bytes() for f in files)).hexdigest()[:16]
-_VERSION = attrgetter("_version")
-_DATA_PTR = methodcaller("data_ptr")
 
 
 def tensors_stamp(tensors: list[torch.Tensor]) -> tuple:

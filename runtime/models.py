@@ -211,7 +211,7 @@ def _auto_dtype_target(model, tokenizer, name: str, backend: str) -> TargetModel
     def wrap(m):
         return wrap_target(m, tokenizer, name=name, backend=backend)
 
-    dtype, info = autodtype.choose(model, wrap, next(model.parameters()).device)
+    dtype, info = autodtype.choose(model, wrap, next(model.parameters()).device, key={"backend": backend})
     print(autodtype.describe(name, dtype, info), file=sys.stderr)
     target = info.get("target")
     return target if target is not None else wrap(model.to(dtype))

@@ -67,3 +67,34 @@ def test_without_room_for_a_float32_copy_auto_takes_bfloat16_unmeasured(tiny_dir
 def test_bad_dtype_string_is_one_clear_error(tiny_dir):
     with pytest.raises(ValueError, match="torch.dtype or 'auto'"):
         load_target(str(tiny_dir), dtype="float17")
+
+
+@pytest.mark.parametrize("backend", ["engine", "hf"])
+def test_auto_is_measured_once_per_machine_then_kept(tiny_dir, capsys, monkeypatch, tmp_path, backend):
+    # measured afresh, two processes could serve different dtypes, so different text: the first load keeps it
+    from specfoundry.runtime import choices
+
+    monkeypatch.setenv("SPECFOUNDRY_CACHE", str(tmp_path))
+    monkeypatch.setenv(choices.CHOICES_ENV, "keep")
+    monkeypatch.setattr(choices, "_others_cores", lambda before: 0.0)  # as on a quiet machine
+    real = autodtype.plain_step_seconds
+    monkeypatch.setattr(autodtype, "plain_step_seconds",
+                        lambda t, **kw: real(t, **kw) + (1.0 if t.dtype == torch.bfloat16 else 0.0))
+    assert load_target(str(tiny_dir), dtype="auto", backend=backend).dtype == torch.float32
+    assert "kept in" in capsys.readouterr().err
+
+    def not_again(t, **kw):
+        raise AssertionError("measured although kept")
+
+    monkeypatch.setattr(autodtype, "plain_step_seconds", not_again)
+    t = load_target(str(tiny_dir), dtype="auto", backend=backend)
+    line = capsys.readouterr().err
+    assert t.dtype == torch.float32 and "dtype auto -> float32" in line and "; kept in " in line
+    assert _greedy(t) == _greedy(load_target(str(tiny_dir), dtype=torch.float32, backend=backend))
+    # another thread count is another choice
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(AssertionError, match="measured although kept"):
+            load_target(str(tiny_dir), dtype="auto", backend=backend)
+    finally:
+        torch.set_num_threads(1)
