@@ -122,3 +122,25 @@ def test_other_processes_cpu_time_is_seen():
     others = choices._others_cores(before)
     spin.wait()
     assert others >= 0.5
+
+
+def test_the_fma_path_choice_is_kept_too(keep, monkeypatch):
+    from specfoundry.runtime import cpu_gemv
+
+    if not cpu_gemv.fma_exact():
+        pytest.skip("the AVX-512 BF16 kernel's FMA path does not run on this CPU (nothing to choose)")
+    cpu_gemv.fma_rows.cache_clear()
+    try:
+        first = cpu_gemv.fma_rows()
+        cpu_gemv.fma_rows.cache_clear()
+        monkeypatch.setattr(cpu_gemv, "best_seconds", lambda *a, **k: pytest.fail("timed although kept"))
+        assert cpu_gemv.fma_rows() == first
+        (path,) = (keep / "choices").glob("fma-rows-*.json")
+        record = json.loads(path.read_text())
+        path.write_text(json.dumps({**record, "value": [] if first else [2, 3, 4, 5, 6, 7, 8]}))
+        cpu_gemv.fma_rows.cache_clear()
+        assert cpu_gemv.fma_rows() == (() if first else (2, 3, 4, 5, 6, 7, 8))  # what is kept is what runs
+    finally:
+        monkeypatch.undo()
+        cpu_gemv.fma_rows.cache_clear()
+        cpu_gemv.fma_rows()  # this process's own choice again (measured: conftest's default)
