@@ -172,7 +172,7 @@ def run_cli(args) -> int:
 
     # speed-ups count against the fastest plain decoding: on the products that decode fastest here
     choice = plain_kernel_choice(target, target.encode_chat([{"role": "user", "content": prompts[0].turns[0]}]))
-    # measured at the first load on this machine, then kept (runtime/choices.py): a run names which
+    # the engine's kernels are measured at a machine's first load, then kept (runtime/choices.py): say which
     kernels_from = target._engine().kernels_from if hasattr(target, "_engine") else None
     if kernels_from is not None:
         print(f"[bench] engine kernels {kernels_name(choice['engine'])}: {kernels_from}", file=sys.stderr)

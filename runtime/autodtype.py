@@ -68,10 +68,13 @@ def choose(model, wrap, device: torch.device, reps: int = 5, key: dict | None = 
         measured["target"] = targets[dt]
         return {"dtype": _name(dt), "ms_per_token": {_name(k): round(1000 * v, 2) for k, v in best.items()}}
 
-    parts = {**(key or {}), "threads": torch.get_num_threads(),
-             "parameters": sorted({tuple(p.shape) for p in model.parameters()}), "count": sum(1 for _ in model.parameters())}
-    value, where = choices.kept("serving-dtype", parts, measure,
-                                lambda v: isinstance(v, dict) and v.get("dtype") in _DTYPES and isinstance(v.get("ms_per_token"), dict))
+    parts = {**(key or {}), "threads": torch.get_num_threads(), "count": sum(1 for _ in model.parameters()),
+             "parameters": sorted({tuple(p.shape) for p in model.parameters()})}
+
+    def valid(v) -> bool:
+        return isinstance(v, dict) and v.get("dtype") in _DTYPES and isinstance(v.get("ms_per_token"), dict)
+
+    value, where = choices.kept("serving-dtype", parts, measure, valid)
     dt = _DTYPES[value["dtype"]]
     info = {"ms_per_token": value["ms_per_token"], "threads": torch.get_num_threads(), "from": where}
     if "target" in measured:

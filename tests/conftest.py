@@ -11,8 +11,9 @@ if _XDIST_WORKER:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# Each test measures the engine's kernel choice for what it set up (runtime/choices.py keeps a machine's
-# choice across processes otherwise; tests/test_choices.py turns that on under a temporary cache).
+# Each test measures the machine's choices (the engine's kernels, dtype auto, the FMA path) for what it set
+# up: runtime/choices.py keeps them across processes otherwise; tests/test_choices.py and test_autodtype.py turn
+# that on under a temporary cache.
 os.environ.setdefault("SPECFOUNDRY_CHOICES", "measure")
 
 import pytest  # noqa: E402
