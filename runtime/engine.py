@@ -117,11 +117,6 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y if y is not None else w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-#: entries of one RoPE table block (RopeTable._ensure): under torch's parallel grain (32768 elements), so each
-#: block's ops run in the calling thread alone
-ROPE_BLOCK_ELEMENTS = 16384
-
-
 class RopeTable:
     """cos/sin ``[B, n, 1, D]`` at given positions, looked up in tables that a HF rotary module
     computes once (so every static RoPE variant and its scaling match HF exactly: each entry is
@@ -144,23 +139,14 @@ class RopeTable:
         return self._cos[start:start + n], self._sin[start:start + n]
 
     def _ensure(self, need: int, like: torch.Tensor) -> None:
-        """Tables covering positions ``< need`` for ``like``'s dtype and device, computed in blocks of
-        positions small enough that torch runs each op in this thread (below its parallel grain), as
-        it does for the few positions of one HF step. Why: in 1 of ~40 fresh processes at 2 threads the
-        second thread's half of one whole-table ``cos`` came out on a coarser path (572 entries one
-        bf16 step off, positions 512-1023 only; the same module's next table in that process exact;
-        docs/results.md, forty-seventh session)."""
+        """Tables covering positions ``< need`` for ``like``'s dtype and device."""
         key = (like.dtype, like.device)
         if need > self._len or key != self._key:
             size = max(need, 2 * self._len if key == self._key else 0, 1024)
-            x = like.detach().reshape(-1)[:1].view(1, 1, 1)
-            block = max(1, ROPE_BLOCK_ELEMENTS // max(1, 2 * int(self.rotary.inv_freq.numel())))
-            parts = []
+            pos = torch.arange(size, device=like.device).view(1, -1)
             with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable outside inference mode
-                for start in range(0, size, block):
-                    parts.append(self.rotary(x, torch.arange(start, min(size, start + block), device=like.device)[None]))
-            cos, sin = (torch.cat([p[i][0] for p in parts]) for i in (0, 1))
-            self._cos, self._sin, self._len, self._key = cos, sin, size, key
+                cos, sin = self.rotary(like.detach().reshape(-1)[:1].view(1, 1, 1), pos)
+            self._cos, self._sin, self._len, self._key = cos[0], sin[0], size, key
 
 
 def _onednn_pack(w: torch.Tensor) -> torch.Tensor:

@@ -264,31 +264,6 @@ def test_rope_table_equals_the_rotary_module_per_call():
                                    rtol=tol, atol=tol)
 
 
-def test_rope_tables_are_computed_in_blocks_each_op_runs_in_one_thread(monkeypatch):
-    """Each rotary call of a table build covers few enough positions that every op of it stays under
-    torch's parallel grain (one thread, as a HF step's few positions), and the blocks join to the
-    module's own per-step values (block edges included)."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    from specfoundry.runtime.engine import ROPE_BLOCK_ELEMENTS
-
-    assert ROPE_BLOCK_ELEMENTS <= 32768  # at::internal::GRAIN_SIZE
-    rot = LlamaRotaryEmbedding(LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=4096))
-    calls = []
-    real = rot.forward
-    monkeypatch.setattr(rot, "forward", lambda x, pos: calls.append(pos.numel()) or real(x, pos))
-    table = RopeTable(rot)
-    like = torch.zeros(1, 1, 64)
-    cos, sin = table.span(0, 3000, like)
-    dim = 2 * rot.inv_freq.numel()
-    assert len(calls) > 1 and sum(calls) == table._len >= 3000 and max(calls) * dim <= ROPE_BLOCK_ELEMENTS
-    edges = sorted({0, 1, 2999, table._len - 1} | {k * calls[0] + d for k in range(1, 4) for d in (-1, 0)})
-    for p in edges:  # (one position per call: the per-step values, one thread)
-        ref_cos, ref_sin = real(like, torch.tensor([[p]]))
-        assert torch.equal(table._cos[p], ref_cos[0, 0]) and torch.equal(table._sin[p], ref_sin[0, 0])
-    assert torch.equal(cos, table._cos[:3000]) and torch.equal(sin, table._sin[:3000])
-
-
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
 def test_head_static_step_equals_its_hf_forward(kind):
     """The EAGLE heads' drafting step on a static cache equals their HF-layer forward (the one
