@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from .atomic import atomic_write_text
-from .native import cpu_flags
+from .native import cpu_flags, cpu_info
 from .paths import cache_dir
 
 __all__ = ["BUSY_CORES", "CHOICES_ENV", "MODES", "choice_path", "kept"]
@@ -45,17 +45,6 @@ MODES = ("keep", "renew", "measure")
 #: kept: on a 2-core Xeon a busy loop on one core beside the engine's kernel choice made 7 of 16 loads
 #: choose another many-row kernel, against 0 of 16 on the quiet machine (forty-seventh session)
 BUSY_CORES = 0.5
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _busy_seconds() -> tuple[float, float, float] | None:
@@ -85,7 +74,8 @@ def _others_cores(before: tuple[float, float, float] | None) -> float:
 
 def choice_path(kind: str, parts: dict) -> Path:
     """Where the choice ``kind`` for ``parts`` (JSON-serialisable) is kept on this machine."""
-    machine = {"cpu": _cpu_model(), "flags": sorted(cpu_flags()), "cores": os.cpu_count(), "torch": torch.__version__}
+    machine = {"cpu": cpu_info("model name") or platform.processor() or platform.machine(),
+               "flags": sorted(cpu_flags()), "cores": os.cpu_count(), "torch": torch.__version__}
     blob = json.dumps({"machine": machine, "parts": parts}, sort_keys=True, default=str)
     return cache_dir() / "choices" / f"{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:20]}.json"
 

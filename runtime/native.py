@@ -55,16 +55,21 @@ def ptr(t) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+def cpu_info(field: str) -> str | None:
+    """The first CPU's ``field`` line of /proc/cpuinfo (``flags``, ``model name``), None where absent."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
+                if line.startswith(field):
+                    return line.partition(":")[2].strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+    return set((cpu_info("flags") or "").split())
 
 
 def kernel_dir(source: str) -> Path:
