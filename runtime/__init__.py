@@ -9,6 +9,7 @@ or ``specfoundry.export``.
     out = gen.generate(messages=[{"role": "user", "content": "..."}], max_new_tokens=128)
 """
 
+from . import mkl_warmup
 from .engine import EngineTarget, StaticKVCache
 from .drafters import DraftContext, Drafter, LookupFirstDrafter, available_drafters, load_drafter, register_drafter
 from .generator import GenerationOutput, GenerationStats, SpeculativeGenerator, StreamChunk
@@ -17,6 +18,8 @@ from .sampling import SamplingParams, probs_from_logits
 from .target import KVCache, TargetModel, TargetOutput
 from .tree import Draft
 from .verify import VerifyResult, verify
+
+mkl_warmup.warm()  # before any parallel op of ours can be MKL VML's first call (see the module)
 
 __all__ = [
     "DEFAULT_TARGET", "Draft", "DraftContext", "Drafter", "EngineTarget", "GenerationOutput", "GenerationStats", "KVCache",

@@ -145,7 +145,12 @@ class RopeTable:
             size = max(need, 2 * self._len if key == self._key else 0, 1024)
             pos = torch.arange(size, device=like.device).view(1, -1)
             with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable outside inference mode
-                cos, sin = self.rotary(like.detach().reshape(-1)[:1].view(1, 1, 1), pos)
+                tables = [self.rotary(like.detach().reshape(-1)[:1].view(1, 1, 1), pos) for _ in range(2)]
+                # until two agree: a worker thread's first MKL VML cos can run a low-accuracy kernel for
+                # its chunk (runtime/mkl_warmup.py); a one-bf16-step odd entry changes a process's text
+                while not all(torch.equal(a, b) for a, b in zip(*tables[-2:])) and len(tables) < 5:
+                    tables.append(self.rotary(like.detach().reshape(-1)[:1].view(1, 1, 1), pos))
+            cos, sin = tables[-1]
             self._cos, self._sin, self._len, self._key = cos[0], sin[0], size, key
 
 

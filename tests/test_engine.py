@@ -264,6 +264,28 @@ def test_rope_table_equals_the_rotary_module_per_call():
                                    rtol=tol, atol=tol)
 
 
+def test_rope_table_is_computed_until_two_computations_agree():
+    """A first computation that is off (what MKL VML's first-call race gave one worker thread's chunk,
+    runtime/mkl_warmup.py) is never the table: the rotary module is asked again until two agree."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rot = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=4096))
+    calls = []
+
+    def flaky(x, positions):
+        cos, sin = rot(x, positions)
+        calls.append(1)
+        return (cos + 1e-3, sin) if len(calls) == 1 else (cos, sin)  # only the first is odd
+
+    like = torch.zeros(1, 1, 64)
+    table = RopeTable(flaky)
+    cos, sin = table.span(0, 100, like)
+    ref_cos, ref_sin = rot(like, torch.arange(100)[None])
+    assert len(calls) == 3 and torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
+    table.span(0, 3000, like)  # regrowth: two computations that agree at once
+    assert len(calls) == 5
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
 def test_head_static_step_equals_its_hf_forward(kind):
     """The EAGLE heads' drafting step on a static cache equals their HF-layer forward (the one
