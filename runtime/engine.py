@@ -849,8 +849,10 @@ class EngineTarget(TargetModel):
 
     def cost_curve(self, sizes=(1, 2, 4, 8, 9, 16, 32, 64), past: int = 256, reps: int = 2) -> dict[int, float]:
         """Measured forward cost of ``n`` new tokens relative to one, after ``past`` tokens
-        (best of ``reps``), for the adaptive controller and the serving policy; measured once per
-        engine and thread count (~1 s here). 9 is measured because the few-row kernels (AMX's from 65
+        (best of ``reps``), for the adaptive controller and the serving policy; on a CPU measured once
+        per machine, engine kernels and thread count and then kept (:func:`.choices.kept`, as the
+        kernel choice: ~1 s saved per load, and two processes price draft shapes alike), elsewhere once
+        per engine and thread count. 9 is measured because the few-row kernels (AMX's from 65
         rows) hand more than 8 rows to the many-row kernel: the products of 9 rows cost 1.2x those of 8 at 2 threads
         on a Zen 4 EPYC, a step interpolated between 8 and 16 hid (a serving step of 4 plain rows
         and one 5-token lookup chain was priced too cheap)."""
@@ -858,20 +860,31 @@ class EngineTarget(TargetModel):
         curves = engine.__dict__.setdefault("curves", {})
         threads = torch.get_num_threads()
         if threads not in curves:
-            gen = torch.Generator().manual_seed(0)
-            cache = self.new_cache(capacity=past + max(sizes))
-            self.forward(torch.randint(0, self.vocab_size, (1, past), generator=gen), cache)
-            cache.commit()
-            secs = {}
-            for n in sizes:
-                ids = torch.randint(0, self.vocab_size, (1, n), generator=gen)
+            def measure() -> dict[int, float]:
+                gen = torch.Generator().manual_seed(0)
+                cache = self.new_cache(capacity=past + max(sizes))
+                self.forward(torch.randint(0, self.vocab_size, (1, past), generator=gen), cache)
+                cache.commit()
+                secs = {}
+                for n in sizes:
+                    ids = torch.randint(0, self.vocab_size, (1, n), generator=gen)
 
-                def once():
-                    self.forward(ids, cache)
-                    cache.rollback()
+                    def once():
+                        self.forward(ids, cache)
+                        cache.rollback()
 
-                secs[n] = best_seconds(once, reps, self.device, warm=False)
-            curves[threads] = {n: s / secs[sizes[0]] for n, s in secs.items()}
+                    secs[n] = best_seconds(once, reps, self.device, warm=False)
+                return {n: s / secs[sizes[0]] for n, s in secs.items()}
+
+            if engine.device.type != "cpu":
+                curves[threads] = measure()
+            else:
+                parts = {**engine._choice_parts(), "kernels": list(engine.kernels), "sizes": list(sizes),
+                         "past": past, "reps": reps}
+                value, _ = choices.kept("cost-curve", parts, lambda: [[n, c] for n, c in measure().items()],
+                                        lambda v: isinstance(v, list) and [p[0] for p in v] == list(sizes)
+                                        and all(isinstance(p[1], (int, float)) and p[1] > 0 for p in v))
+                curves[threads] = {int(n): float(c) for n, c in value}
         return dict(curves[threads])
 
     def _engine(self) -> LlamaEngine:

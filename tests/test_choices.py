@@ -144,3 +144,21 @@ def test_the_fma_path_choice_is_kept_too(keep, monkeypatch):
         monkeypatch.undo()
         cpu_gemv.fma_rows.cache_clear()
         cpu_gemv.fma_rows()  # this process's own choice again (measured: conftest's default)
+
+
+def test_the_cost_curve_is_measured_once_per_machine_then_kept(keep, monkeypatch, single_thread):
+    from specfoundry.runtime import engine as engine_module
+
+    target = tiny_llama(0)
+    first = target.cost_curve(sizes=(1, 2, 4), past=8, reps=1)
+    assert set(first) == {1, 2, 4} and first[1] == 1.0 and all(c > 0 for c in first.values())
+    (path,) = (keep / "choices").glob("cost-curve-*.json")
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "value": [[1, 1.0], [2, 1.5], [4, 3.25]]}))
+    monkeypatch.setattr(engine_module, "best_seconds", lambda *a, **k: pytest.fail("timed although kept"))
+    target.engine.__dict__.pop("curves")  # a new process's engine: nothing measured in it yet
+    assert target.cost_curve(sizes=(1, 2, 4), past=8, reps=1) == {1: 1.0, 2: 1.5, 4: 3.25}  # kept is what is used
+    path.write_text(json.dumps({**record, "value": [[1, 1.0], [2, -1.0]]}))  # rejected: measured again
+    target.engine.__dict__.pop("curves")
+    with pytest.raises(pytest.fail.Exception, match="timed although kept"):
+        target.cost_curve(sizes=(1, 2, 4), past=8, reps=1)
