@@ -16,7 +16,9 @@ the caller's ``valid`` rejects, is measured again and replaced. A measurement du
 processes kept the cores busy (:data:`BUSY_CORES`, from ``/proc/stat``) is used, not kept: the next
 process measures again. ``SPECFOUNDRY_CHOICES=renew`` measures again and replaces what was kept;
 ``SPECFOUNDRY_CHOICES=measure`` measures in every process and keeps nothing (the tests' default:
-each test measures what it set up).
+each test measures what it set up). A file read back is touched, and keeping a new value removes
+the same kind's files unused for :data:`UNUSED_DAYS` (keys an upgrade, another thread count or model
+left behind), so the directory holds what is in use.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from .atomic import atomic_write_text
 from .native import cpu_flags, cpu_info
 from .paths import cache_dir
 
-__all__ = ["BUSY_CORES", "CHOICES_ENV", "MODES", "choice_path", "kept"]
+__all__ = ["BUSY_CORES", "CHOICES_ENV", "MODES", "UNUSED_DAYS", "choice_path", "kept"]
 
 #: ``keep`` (default): a choice measured once per machine is read back; ``renew``: measured again and
 #: kept; ``measure``: measured in every process, nothing kept
@@ -45,6 +47,9 @@ MODES = ("keep", "renew", "measure")
 #: kept: on a 2-core Xeon a busy loop on one core beside the engine's kernel choice made 7 of 16 loads
 #: choose another many-row kernel, against 0 of 16 on the quiet machine (forty-seventh session)
 BUSY_CORES = 0.5
+
+#: a kept choice not read for this long is removed when another of its kind is kept
+UNUSED_DAYS = 60
 
 
 def _busy_seconds() -> tuple[float, float, float] | None:
@@ -95,6 +100,7 @@ def kept(kind: str, parts: dict, measure: Callable[[], Any], valid: Callable[[An
     try:
         value = json.loads(path.read_text())["value"] if mode == "keep" else None
         if value is not None and valid(value):
+            _touch(path)
             return value, f"kept in {path}"
     except (OSError, ValueError, KeyError, TypeError):
         pass  # none yet, or unreadable: measured again and replaced
@@ -109,4 +115,24 @@ def kept(kind: str, parts: dict, measure: Callable[[], Any], valid: Callable[[An
                                             "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1, default=str))
     except OSError:
         return value, "measured"  # a read-only cache: this process keeps its own measurement
+    _prune(kind, path)
     return value, f"measured, kept in {path}"
+
+
+def _touch(path: Path) -> None:
+    """Mark ``path`` used now (its mtime: what :func:`_prune` goes by)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass  # a read-only cache: nothing is pruned there either
+
+
+def _prune(kind: str, keep: Path) -> None:
+    """Remove ``kind``'s files other than ``keep`` unused for :data:`UNUSED_DAYS`."""
+    cutoff = time.time() - UNUSED_DAYS * 86400
+    for old in keep.parent.glob(f"{kind}-{'[0-9a-f]' * 20}.json"):  # not another kind that starts with this one
+        try:
+            if old != keep and old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:
+            pass  # gone already (another process pruned it) or not ours to remove

@@ -162,3 +162,21 @@ def test_the_cost_curve_is_measured_once_per_machine_then_kept(keep, monkeypatch
     target.engine.__dict__.pop("curves")
     with pytest.raises(pytest.fail.Exception, match="timed although kept"):
         target.cost_curve(sizes=(1, 2, 4), past=8, reps=1)
+
+
+def test_choices_unused_for_long_are_removed_when_another_is_kept(keep):
+    import os
+    import time
+
+    choices.kept("k", {"a": 1}, lambda: 1)
+    choices.kept("k", {"a": 2}, lambda: 2)
+    choices.kept("k-other", {"a": 1}, lambda: 3)  # a kind whose name starts with another's
+    old, used = choices.choice_path("k", {"a": 1}), choices.choice_path("k", {"a": 2})
+    other = choices.choice_path("k-other", {"a": 1})
+    long_ago = time.time() - (choices.UNUSED_DAYS + 1) * 86400
+    for path in (old, used, other):
+        os.utime(path, (long_ago, long_ago))
+    assert choices.kept("k", {"a": 2}, lambda: pytest.fail("measured although kept")) == (2, f"kept in {used}")
+    assert used.stat().st_mtime > long_ago + 86400  # read back: marked used
+    assert choices.kept("k", {"a": 3}, lambda: 4)[0] == 4  # keeping a new one prunes the unused
+    assert not old.exists() and used.exists() and other.exists()
