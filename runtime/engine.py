@@ -389,7 +389,7 @@ class LlamaEngine:
         # time only (runtime/choices.py: kernels whose sums differ in the last bits swapped places
         # between processes, and with them a prompt's outputs)
         parts = self._choice_parts()
-        products, self.kernels_from = self._kept("engine-products", parts, self._choose_kernels)
+        products, self.kernels_from = self._kept_kernels("engine-products", parts, self._choose_kernels)
         self.kernels = products
         self._prepare(products)
         forced = os.environ.get(KERNELS_ENV, "auto")
@@ -399,19 +399,23 @@ class LlamaEngine:
             return
         # (a model the layer kernel does not run, e.g. the float32 copy that `auto` dtype times, keeps
         # the timed choice: the variable names the layer kernel's products)
-        best, self.kernels_from = self._kept("engine-kernels", {**parts, "products": products},
-                                             lambda: self._prefer_layer_kernel(products))
+        best, self.kernels_from = self._kept_kernels("engine-kernels", {**parts, "products": products},
+                                                     lambda: self._prefer_layer_kernel(products))
         self._prepare(best)
         self._drop_unused(best)
         self.kernels = best
 
-    def _kept(self, kind: str, parts: dict, measure) -> tuple[tuple[str, ...], str]:
-        """``measure()`` (a kernel tuple), or the one kept on this machine for ``parts`` (:func:`.choices.kept`;
-        off CPU nothing is measured: always measured here)."""
+    def _kept(self, kind: str, parts: dict, measure, valid) -> tuple:
+        """``(measure(), "measured")``, or the value kept on this machine for ``parts`` (:func:`.choices.kept`;
+        off CPU nothing is kept: always measured there)."""
         if self.device.type != "cpu":
-            return tuple(measure()), "measured"
-        value, where = choices.kept(kind, parts, lambda: list(measure()),
-                                    lambda v: isinstance(v, list) and 2 <= len(v) <= 3 and all(k in KERNELS for k in v))
+            return measure(), "measured"
+        return choices.kept(kind, parts, measure, valid)
+
+    def _kept_kernels(self, kind: str, parts: dict, measure) -> tuple[tuple[str, ...], str]:
+        """:meth:`_kept` for a kernel tuple."""
+        value, where = self._kept(kind, parts, lambda: list(measure()),
+                                  lambda v: isinstance(v, list) and 2 <= len(v) <= 3 and all(k in KERNELS for k in v))
         return tuple(value), where
 
     def _choice_parts(self) -> dict:
@@ -876,15 +880,12 @@ class EngineTarget(TargetModel):
                     secs[n] = best_seconds(once, reps, self.device, warm=False)
                 return {n: s / secs[sizes[0]] for n, s in secs.items()}
 
-            if engine.device.type != "cpu":
-                curves[threads] = measure()
-            else:
-                parts = {**engine._choice_parts(), "kernels": list(engine.kernels), "sizes": list(sizes),
-                         "past": past, "reps": reps}
-                value, _ = choices.kept("cost-curve", parts, lambda: [[n, c] for n, c in measure().items()],
-                                        lambda v: isinstance(v, list) and [p[0] for p in v] == list(sizes)
-                                        and all(isinstance(p[1], (int, float)) and p[1] > 0 for p in v))
-                curves[threads] = {int(n): float(c) for n, c in value}
+            parts = {**engine._choice_parts(), "kernels": list(engine.kernels), "sizes": list(sizes),
+                     "past": past, "reps": reps}
+            value, _ = engine._kept("cost-curve", parts, lambda: [[n, c] for n, c in measure().items()],
+                                    lambda v: isinstance(v, list) and [p[0] for p in v] == list(sizes)
+                                    and all(isinstance(p[1], (int, float)) and p[1] > 0 for p in v))
+            curves[threads] = {int(n): float(c) for n, c in value}
         return dict(curves[threads])
 
     def _engine(self) -> LlamaEngine:
