@@ -185,17 +185,21 @@ def run_cli(args) -> int:
     for u in unavailable:
         print(f"[bench] {u['name']}: {u['reason']}", file=sys.stderr)
     env = environment()  # before the run: the commit and threads that measured, not those at the end
-    from .floor import weight_streaming_floor
+    from .floor import read_bandwidth_gbs, weight_streaming_floor
 
-    floor = weight_streaming_floor(target.model)  # same threads as the run, before it starts
+    before = read_bandwidth_gbs()  # same threads as the run, before it starts
+    floor = weight_streaming_floor(target.model, before)
     print(f"[bench] weight-streaming floor: {floor['read_gbs']:.1f} GB/s, {floor['weight_bytes'] / 1e6:.0f} MB "
-          f"-> {floor['floor_ms']:.1f} ms per token", file=sys.stderr)
+          f"-> {floor['floor_ms']:.1f} ms per token (read again after the run)", file=sys.stderr)
     raw = run_bench(target, prompts, methods, temperatures=temps, max_new_tokens=args.max_new_tokens,
                     repeats=args.repeats, seed=args.seed, stop_at_eos=not args.ignore_eos, progress=not args.no_progress,
                     partial=_fresh(out / "records.partial.jsonl"))
     described = [m.describe() | ({"warmup_seconds": raw["warmup_seconds"][m.name]}
                                   if m.name in raw.get("warmup_seconds", {}) else {}) for m in methods]
-    raw["floor"] = floor
+    # the floor is the best the machine showed: one reading at the start moves with the machine's load by more
+    # than plain decoding's distance from it (forty-ninth session: 11.4 and 13.9 GB/s an hour apart)
+    readings = [before, read_bandwidth_gbs()]
+    raw["floor"] = weight_streaming_floor(target.model, max(readings)) | {"readings_gbs": readings}
     return write_report(out, raw, described, unavailable, {
         "target": args.target, "dtype": str(target.dtype).removeprefix("torch."), "backend": target.backend, "temperatures": temps, "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "seed": args.seed, "stop_at_eos": not args.ignore_eos,

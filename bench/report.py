@@ -292,7 +292,10 @@ def to_markdown(report: dict) -> str:
                         f"{step / fl['floor_ms']:.2f}x the floor")
         if ms:
             said.append(f"{ms:.1f} ms per token with the prefill (median tok/s) = {ms / fl['floor_ms']:.2f}x")
-        L += [f"Weight-streaming floor: {fl['read_gbs']:.1f} GB/s read bandwidth measured at {fl['threads']} thread(s), "
+        readings = fl.get("readings_gbs")  # reports written before the second reading have one
+        best = (f" (the higher of two readings, before and after the run: "
+                f"{' / '.join(f'{g:.1f}' for g in readings)})") if readings else ""
+        L += [f"Weight-streaming floor: {fl['read_gbs']:.1f} GB/s read bandwidth measured at {fl['threads']} thread(s){best}, "
               f"{fl['weight_bytes'] / 1e6:.0f} MB of weights per decode step -> {fl['floor_ms']:.1f} ms per token"
               + ("; " + "; ".join(said) + "." if said else "."), ""]
     L += ["Methods run interleaved per prompt after a warm-up (plain first, the rest in a rotating order); speed-up = "

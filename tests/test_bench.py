@@ -225,6 +225,10 @@ def test_tiny_bench_run_writes_valid_report_markdown_and_plots(tiny_dir, tmp_pat
     fl = report["floor"]
     assert fl["weight_bytes"] == streamed_weight_bytes(load_target(str(tiny_dir), dtype=torch.float64).model)
     assert fl["read_gbs"] > 0 and fl["floor_ms"] == pytest.approx(1000 * fl["weight_bytes"] / (fl["read_gbs"] * 1e9))
+    # read before and after the run; the floor takes the higher bandwidth (the best the machine showed)
+    assert len(fl["readings_gbs"]) == 2 and fl["read_gbs"] == max(fl["readings_gbs"]) > 0
+    assert "the higher of two readings, before and after the run: " + " / ".join(
+        f"{g:.1f}" for g in fl["readings_gbs"]) in md
     assert "Weight-streaming floor" in md and "x the floor" in md and "warm-up and time to first token" in md
     assert f"| {row['median_decode_speed_up']:.2f}x |" in md and "*decode speed-up*" in md
     sp = report["summary"]["T=0"]["overall"]["plain"]["step_ms"]  # the floor against a decode step, prefill apart
