@@ -16,7 +16,9 @@ import torch
 
 def read_bandwidth_gbs(megabytes: int = 256, reps: int = 5) -> float:
     """Read bandwidth in GB/s (1e9 bytes) at the current torch thread count: the best of ``reps``
-    reductions over a ``megabytes`` float32 buffer (far larger than any cache here)."""
+    reductions over a ``megabytes`` float32 buffer (about a small target's weights: on most machines met far larger
+    than the caches; a Xeon with 260 MB of L3 may serve part of it, and of the weights, from there). The bench reads it
+    before and after its run and takes the higher: one reading moves with the machine's load."""
     if megabytes < 1 or reps < 1:
         raise ValueError("megabytes and reps must be >= 1")
     buf = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
