@@ -75,11 +75,12 @@ DATA ?=
 BENCH_ARGS ?=
 # With nothing set it is a quick representative run (a few minutes): 1 prompt per built-in category,
 # T=0, 64 tokens, 1 thread; plain (engine) vs the HF path and HF generate, ngram, and the default
-# run's EAGLE-3 head (chain of 3 and adaptive shape) when runs/eagle3-smollm2-135m exists.
+# run's EAGLE-3 head when runs/eagle3-smollm2-135m exists: in its runtime default (what generate and
+# serve load: prompt lookup first, the run's measured shape) and under the adaptive controller.
 comma := ,
 QUICK_RUN := $(wildcard runs/eagle3-smollm2-135m/speculator/config.json)
 QUICK_ARGS := --limit 1 --temperature 0 --max-new-tokens 64 --threads 1 --peers hf \
-	--methods plain,plain-hf,ngram:chain@3,ngram:adaptive$(if $(QUICK_RUN),$(comma)eagle3:chain@3$(comma)eagle3:adaptive) \
+	--methods plain,plain-hf,ngram:chain@3,ngram:adaptive$(if $(QUICK_RUN),$(comma)eagle3:runtime$(comma)eagle3:adaptive) \
 	$(if $(QUICK_RUN),--run runs/eagle3-smollm2-135m)
 bench: $(STAMP)
 	$(BIN)/specfoundry bench --target $(TARGET) $(foreach r,$(RUN),--run $(r)) $(foreach d,$(DATA),--data $(d)) \

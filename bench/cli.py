@@ -112,6 +112,8 @@ def build_methods(factory, target, target_source: str, specs: str, peers: str, w
     methods, seen = [factory.plain()], {"plain"}
     for spec in [w for w in wanted if w != "plain"] + [p for p in peer_specs if parse_spec(p)[0] in HF_PEERS]:
         m = factory.build(spec)
+        if m.name in seen and specs == "auto":
+            continue  # e.g. a run's runtime shape that is also one of its listed shapes
         if m.name in seen:
             raise ValueError(f"method {m.name!r} listed twice")
         seen.add(m.name)

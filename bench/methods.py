@@ -15,6 +15,9 @@ A method spec is ``SOURCE[:SHAPE][@DEPTH[/NODES]]``:
   same lookup before the ``adaptive`` shape (the controller drives the model drafter's steps);
   ``lookup-tree@K/N`` (EAGLE heads): the same lookup before a fixed tree of depth ``K``, ``N`` nodes
   (at T > 0 the EAGLE heads draft a chain of depth ``K`` instead: their ``sampled_trees`` default);
+- ``runtime`` (trained EAGLE heads): what ``generate`` and ``serve`` load by default, prompt lookup first before
+  the run's measured runtime shape (``training.runtime_shape``, else its tau shape under the controller),
+  named as the spec it resolves to (e.g. ``eagle3:lookup-tree@2/4``);
 - peers: ``hf``, ``hf-lookup[@K]``, ``hf-assisted``; out-of-process peers (``vllm``,
   ``vllm-eagle3[@K]``, ``llamacpp``, ``llamacpp-lookup[@K]``) live in :mod:`specfoundry.bench.external`.
 
@@ -44,7 +47,7 @@ from specfoundry.runtime.target import TargetModel
 from specfoundry.runtime.tree import tree_layout
 
 _LOOKUP = ("lookup", "lookup-adaptive")
-_EAGLE_SHAPES = ("dynamic", "chain", "adaptive") + _LOOKUP + ("lookup-tree",)
+_EAGLE_SHAPES = ("dynamic", "chain", "adaptive") + _LOOKUP + ("lookup-tree", "runtime")
 SHAPES = {"ngram": ("chain", "adaptive"), "draft": ("chain", "adaptive") + _LOOKUP,
           "medusa": ("static", "chain", "adaptive") + _LOOKUP, "eagle": _EAGLE_SHAPES, "eagle3": _EAGLE_SHAPES}
 _NODE_SHAPES = ("dynamic", "lookup-tree")  # shapes that take @K/N
@@ -320,6 +323,12 @@ class MethodFactory:
         shape = shape or shapes[0]
         if shape not in shapes:
             raise ValueError(f"unknown shape {shape!r} for {src_name} ({src.type}): choose from {list(shapes)}")
+        if shape == "runtime":
+            if depth:
+                raise ValueError(f"bad method spec {spec!r}: runtime takes no depth (the run's stored shape has one)")
+            method = self.build(self._runtime_spec(src_name, src))
+            method.label += "; the run's runtime default (what generate and serve load)"
+            return method
         adaptive = shape in ("adaptive", "lookup-adaptive")
         inner = {"adaptive": shapes[0], "lookup": "chain", "lookup-adaptive": shapes[0], "lookup-tree": "dynamic"}.get(shape, shape)
         drafter = self._drafter(src, inner, depth, nodes)
@@ -339,6 +348,23 @@ class MethodFactory:
         label = f"{src.type} ({src.describe()}), {shape_text}, depth {k}" + ("" if adaptive else ", fixed")
         return Method(f"{src_name}:{shape}@{k}" + (f"/{nodes}" if nodes else ""), label, "ours", generator_runner(gen),
                       draft_depth=k)
+
+    @staticmethod
+    def _runtime_spec(src_name: str, src: Source) -> str:
+        """The spec of what ``generate`` / ``serve`` load for ``src`` by default: prompt lookup first (their
+        ``--prompt-lookup 2``) before the checkpoint's default draft shape (its measured runtime shape)."""
+        if not src.trained:
+            raise ValueError(f"{src_name}:runtime needs a trained run (--run runs/<recipe>): an untrained head "
+                             "has no measured runtime shape")
+        from specfoundry.runtime.speculators.checkpoint import default_draft_shape, read_config
+
+        options, adaptive = default_draft_shape(read_config(src.path))
+        depth = options.get("depth")
+        if adaptive:
+            return f"{src_name}:lookup-adaptive" + (f"@{depth}" if depth else "")
+        if options.get("tree") == "chain":
+            return f"{src_name}:lookup@{depth}"
+        return f"{src_name}:lookup-tree@{depth}/{options['total_tokens']}"
 
     def _hf_peer(self, name: str, shape, depth, spec: str) -> Method:
         if shape:
@@ -361,9 +387,12 @@ class MethodFactory:
                       "peer", hf_runner(self.target, **kw), draft_depth=depth)
 
     def default_specs(self) -> list[str]:
-        """plain, prompt lookup, the draft model, and every head type a run provided, in all shapes."""
+        """plain, prompt lookup, the draft model, and every head type a run provided, in all shapes (a fixed
+        tree behind lookup, which needs a size, as the run's runtime shape; a spec that resolves to a method
+        already listed is dropped by the caller)."""
         specs = ["plain", "ngram:chain", "ngram:adaptive", "draft:chain"]
         for name, src in self.sources.items():
             if src.trained and src.type != "ngram":
-                specs += [f"{name}:{s}" for s in SHAPES[src.type] if not (src.type == "draft" and name == "draft" and s == "chain")]
+                specs += [f"{name}:{s}" for s in SHAPES[src.type]
+                          if s != "lookup-tree" and not (src.type == "draft" and name == "draft" and s == "chain")]
         return specs

@@ -227,3 +227,24 @@ def test_a_challenger_replaces_the_first_shape_only_on_evidence():
     slower = [x - 0.01 for x in first]  # a lower median never replaces it, whatever the count
     assert tune.choose_candidate({"tree@2/4": first, "chain@2": slower}) == "tree@2/4"
     assert tune.sign_test_p(6, 6) == 1 / 64 and tune.sign_test_p(5, 6) == 7 / 64 and tune.sign_test_p(0, 6) == 1.0
+
+
+def test_the_bench_runtime_method_is_what_generate_loads(checkpoint, tiny):
+    from specfoundry.bench.methods import MethodFactory
+
+    target, _ = tiny
+    f = MethodFactory(target, [checkpoint])
+    m = f.build("eagle3:runtime")  # no measured shape stored yet: its tau shape under the controller, lookup first
+    assert m.name == "eagle3:lookup-adaptive@3" and "the run's runtime default" in m.label
+    set_runtime_shape(checkpoint, {"tree": "dynamic", "depth": 2, "total_tokens": 4, "top_k": 3, "adaptive": False})
+    f = MethodFactory(target, [checkpoint])
+    assert f.build("eagle3:runtime").name == "eagle3:lookup-tree@2/4"
+    # --methods auto: every default spec of a trained head builds (a lookup tree needs a size: the run's own)
+    names = [f.build(s).name for s in f.default_specs()]
+    assert "eagle3:lookup-tree@2/4" in names and "eagle3:lookup-adaptive@3" in names and len(set(names)) == len(names)
+    set_runtime_shape(checkpoint, {"tree": "chain", "depth": 2, "adaptive": False})
+    assert MethodFactory(target, [checkpoint]).build("eagle3:runtime").name == "eagle3:lookup@2"
+    with pytest.raises(ValueError, match="runtime takes no depth"):
+        f.build("eagle3:runtime@2")
+    with pytest.raises(ValueError, match="needs a trained run"):
+        MethodFactory(target).build("eagle3:runtime")
