@@ -349,22 +349,19 @@ class MethodFactory:
         return Method(f"{src_name}:{shape}@{k}" + (f"/{nodes}" if nodes else ""), label, "ours", generator_runner(gen),
                       draft_depth=k)
 
-    @staticmethod
-    def _runtime_spec(src_name: str, src: Source) -> str:
+    def _runtime_spec(self, src_name: str, src: Source) -> str:
         """The spec of what ``generate`` / ``serve`` load for ``src`` by default: prompt lookup first (their
-        ``--prompt-lookup 2``) before the checkpoint's default draft shape (its measured runtime shape)."""
+        ``--prompt-lookup 2``) before the shape the checkpoint's drafter loads with (its measured runtime
+        shape; the drafter's own defaults fill what a stored shape leaves out)."""
         if not src.trained:
             raise ValueError(f"{src_name}:runtime needs a trained run (--run runs/<recipe>): an untrained head "
                              "has no measured runtime shape")
-        from specfoundry.runtime.speculators.checkpoint import default_draft_shape, read_config
-
-        options, adaptive = default_draft_shape(read_config(src.path))
-        depth = options.get("depth")
-        if adaptive:
-            return f"{src_name}:lookup-adaptive" + (f"@{depth}" if depth else "")
-        if options.get("tree") == "chain":
-            return f"{src_name}:lookup@{depth}"
-        return f"{src_name}:lookup-tree@{depth}/{options['total_tokens']}"
+        d = load_drafter(str(src.path), target=self.target)
+        if d.default_adaptive:
+            return f"{src_name}:lookup-adaptive@{d.depth}"
+        if d.tree == "chain":
+            return f"{src_name}:lookup@{d.depth}"
+        return f"{src_name}:lookup-tree@{d.depth}/{d.total_tokens}"
 
     def _hf_peer(self, name: str, shape, depth, spec: str) -> Method:
         if shape:

@@ -244,6 +244,8 @@ def test_the_bench_runtime_method_is_what_generate_loads(checkpoint, tiny):
     assert "eagle3:lookup-tree@2/4" in names and "eagle3:lookup-adaptive@3" in names and len(set(names)) == len(names)
     set_runtime_shape(checkpoint, {"tree": "chain", "depth": 2, "adaptive": False})
     assert MethodFactory(target, [checkpoint]).build("eagle3:runtime").name == "eagle3:lookup@2"
+    set_runtime_shape(checkpoint, {"tree": "dynamic", "adaptive": False})  # no size stored: the drafter's defaults
+    assert MethodFactory(target, [checkpoint]).build("eagle3:runtime").name == "eagle3:lookup-tree@5/32"
     with pytest.raises(ValueError, match="runtime takes no depth"):
         f.build("eagle3:runtime@2")
     with pytest.raises(ValueError, match="needs a trained run"):
