@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import choices, cpu_attention, cpu_gemv, cpu_layers, native
+from . import choices, cpu_attention, cpu_gemv, cpu_layers, hugepages, native
 from .kvcache import MaskBuffer, StaticKVCache, attend, grouped_attention, prefill_causal, rotate
 from .target import TargetModel, TargetOutput
 from .timing import best_seconds
@@ -368,6 +368,13 @@ class LlamaEngine:
         self.groups = self.hq // self.hkv
         self.eps = float(c.rms_norm_eps)
         self.scale = self.head_dim ** -0.5
+        # the matrices a step streams go into one huge-page arena where that helps (hugepages.py)
+        self._arena = self._new_arena(model)
+        self.huge_pages = self._arena is not None and self._arena.advised
+        tied = model.get_output_embeddings().weight is inner.embed_tokens.weight
+        head = self._moved(model.get_output_embeddings())
+        if tied:
+            inner.embed_tokens.weight = head
         self.embed = inner.embed_tokens.weight
         self.source = (self.embed.data_ptr(), self.embed.dtype, self.embed.device)  # what it was built from
         self.final_norm = inner.norm.weight
@@ -375,6 +382,7 @@ class LlamaEngine:
         self.head = {"lm_head": self.lm_head}
         self.rotary = inner.rotary_emb
         self.layers = [self._fuse(layer) for layer in inner.layers]
+        self._arena = None  # (the tensors taken from it keep its memory)
         self._rope = RopeTable(self.rotary)
         self.masks = MaskBuffer(self.groups, self.device)
         # decode and verification steps of one sequence in one C call where it runs (cpu_layers);
@@ -423,6 +431,7 @@ class LlamaEngine:
         the model's matrices, dtype, thread count, the kernels offered here and their sources."""
         shapes = sorted({tuple(m.shape) for m in self._matrices()})
         return {"dtype": str(self.dtype), "threads": torch.get_num_threads(), "layers": self.num_layers,
+                "huge_pages": self.huge_pages,
                 "matrices": [list(s) for s in shapes], "sources": _kernel_sources(),
                 "offered": {"avx2": cpu_gemv.available(), "avx512bf16": cpu_gemv.bf16_available(),
                             "amx": self._amx_usable(), "onednn": torch.backends.mkldnn.is_available(),
@@ -566,15 +575,49 @@ class LlamaEngine:
                                        if k in w and not w[k].is_inference()]
         return sum(map(_VERSION, tracked))  # the counters read in C: ~100 us -> a few per step, cold
 
-    @staticmethod
-    def _fused(linears, attr: str) -> torch.Tensor | None:
+    def _new_arena(self, model) -> hugepages.Arena | None:
+        """A huge-page arena (:mod:`.hugepages`) with room for the matrices a decode step streams, as
+        :meth:`_fuse` lays them out, and the LM head; None where it does not apply (not a CPU, huge
+        pages off, mixed dtypes) or the allocation fails."""
+        shapes, dtypes = [], set()
+        for layer in model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            for group in ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)):
+                shapes.append((sum(lin.weight.shape[0] for lin in group), group[0].weight.shape[1]))
+                dtypes |= {lin.weight.dtype for lin in group}
+        head = model.get_output_embeddings().weight
+        shapes.append(tuple(head.shape))
+        dtypes.add(head.dtype)
+        if head.device.type != "cpu" or len(dtypes) != 1 or not hugepages.wanted():
+            return None
+        try:
+            return hugepages.Arena(shapes, head.dtype)
+        except (RuntimeError, MemoryError):
+            return None
+
+    def _moved(self, lin) -> torch.Tensor:
+        """``lin.weight``, moved into the arena (the module re-pointed at the new tensor) where there is one."""
+        w = lin.weight
+        if self._arena is None:
+            return w
+        with torch.no_grad():
+            dest = self._arena.take(tuple(w.shape)).copy_(w.detach())
+        lin.weight = torch.nn.Parameter(dest, requires_grad=w.requires_grad)
+        return lin.weight
+
+    def _fused(self, linears, attr: str) -> torch.Tensor | None:
         """Concatenate the linears' ``attr`` (weight or bias) row-wise and point each module at its
-        slice of the result, so the fused tensor is the only copy in memory."""
+        slice of the result, so the fused tensor is the only copy in memory (weights: in the arena
+        where there is one)."""
         parts = [getattr(lin, attr) for lin in linears]
         if any(p is None for p in parts):
             return None
         with torch.no_grad():
-            fused = torch.cat([p.detach() for p in parts]).contiguous()
+            if attr == "weight" and self._arena is not None:
+                out = self._arena.take((sum(p.shape[0] for p in parts), parts[0].shape[1]))
+                fused = torch.cat([p.detach() for p in parts], out=out)
+            else:
+                fused = torch.cat([p.detach() for p in parts]).contiguous()
         row = 0
         for lin, p in zip(linears, parts):
             setattr(lin, attr, torch.nn.Parameter(fused[row: row + p.shape[0]], requires_grad=False))
@@ -587,8 +630,8 @@ class LlamaEngine:
         q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         return {
             "ln1": layer.input_layernorm.weight, "wqkv": self._fused(qkv, "weight"), "bqkv": self._fused(qkv, "bias"),
-            "wo": a.o_proj.weight, "ln2": layer.post_attention_layernorm.weight,
-            "w_gu": self._fused((mlp.gate_proj, mlp.up_proj), "weight"), "w_down": mlp.down_proj.weight,
+            "wo": self._moved(a.o_proj), "ln2": layer.post_attention_layernorm.weight,
+            "w_gu": self._fused((mlp.gate_proj, mlp.up_proj), "weight"), "w_down": self._moved(mlp.down_proj),
             "q_norm": None if q_norm is None else q_norm.weight, "k_norm": None if k_norm is None else k_norm.weight,
         }
 
