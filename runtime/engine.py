@@ -10,7 +10,9 @@ What makes it cheaper than the HF path on a CPU, where per-op overhead and copie
 135M model's ~25 ms weight-streaming floor:
 
 - weights are taken from the HF model once: Q/K/V fused into one matrix and gate/up into one,
-  the HF modules' parameters re-pointed at row slices of the fused tensors (no second copy);
+  the HF modules' parameters re-pointed at row slices of the fused tensors (no second copy); on a
+  Linux CPU the matrices a step streams are laid out in one arena on 2 MB pages (:mod:`.hugepages`:
+  plain decoding 1.10-1.16x faster on a Zen 4 EPYC than on the allocator's 4 KB pages);
 - one preallocated cache ``[L, 2, B, Hkv, capacity, D]`` written in place at the new positions;
   after verification the accepted tree nodes are moved into place by one indexed copy of only
   those entries (O(accepted), never O(context)); a rejected suffix is simply overwritten later;

@@ -37,3 +37,20 @@ def test_bandwidth_probe_arguments():
     with pytest.raises(ValueError, match="megabytes and reps"):
         read_bandwidth_gbs(megabytes=0)
     assert read_bandwidth_gbs(megabytes=8, reps=1) > 0
+
+
+def test_bandwidth_probe_reads_from_the_engines_kind_of_pages(monkeypatch):
+    from specfoundry.runtime import hugepages
+    taken = []
+    real = hugepages.Arena
+
+    class Spy(real):
+        def take(self, shape):
+            taken.append(shape)
+            return super().take(shape)
+
+    monkeypatch.setattr(hugepages, "Arena", Spy)
+    monkeypatch.setattr(hugepages, "wanted", lambda: True)
+    assert read_bandwidth_gbs(megabytes=4, reps=1) > 0 and taken == [(2**20,)]
+    monkeypatch.setattr(hugepages, "wanted", lambda: False)
+    assert read_bandwidth_gbs(megabytes=4, reps=1) > 0 and len(taken) == 1
