@@ -27,7 +27,8 @@ def read_bandwidth_gbs(megabytes: int = 256, reps: int = 5) -> float:
     # on the pages the engine streams its weights from: 2 MB ones where it uses them (runtime/hugepages.py;
     # a Zen 4 EPYC read 32.8 GB/s from them at 1 thread against 28.2 from 4 KB pages: the floor would sit
     # above what the engine can reach)
-    buf = hugepages.Arena([(n,)], torch.float32).take((n,)) if hugepages.wanted() else torch.empty(n)
+    buf = hugepages.Arena([(n,)], torch.float32).take((n,)) if hugepages.wanted() \
+        else torch.empty(n, dtype=torch.float32)
     buf.fill_(1.0)  # first touch: page faults are not bandwidth
     buf.sum()
     best = float("inf")
