@@ -16,6 +16,7 @@ back part of the arena with 4 KB pages (fragmented memory); the bytes are the sa
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
 
@@ -47,10 +48,7 @@ def wanted() -> bool:
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """Bytes of a tensor of ``shape`` rounded up to 64 (each tensor starts on a cache line)."""
-    n = torch.empty((), dtype=dtype).element_size()
-    for s in shape:
-        n *= s
-    return (n + 63) // 64 * 64
+    return (math.prod(shape) * dtype.itemsize + 63) // 64 * 64
 
 
 class Arena:
@@ -78,7 +76,4 @@ class Arena:
             raise ValueError(f"the arena has {self._end - self._pos} bytes left, {nbytes} asked")
         out = self._raw[self._pos:self._pos + nbytes].view(self.dtype)
         self._pos += nbytes
-        n = 1
-        for s in shape:
-            n *= s
-        return out[:n].view(shape)
+        return out[:math.prod(shape)].view(shape)
