@@ -384,14 +384,22 @@ int sf_gemv_fma_exact(void) {
     return same;
 }
 
-/* outputs in chunks of 32 per thread task; within a chunk every 8 rows of x in turn. keep: weights
-   read again soon (a speculator head's, every step): plain loads, no prefetch ahead (they are
-   read from the caches, not streamed) */
+/* keep's bits (the products' callers pass them through): SF_KEEP: the weights are read again soon (a
+   speculator head's, every step): plain loads, no prefetch ahead (they are read from the caches, not
+   streamed); SF_FMA2: passes of 2 rows of x over streamed weights take the FMA path (the caller
+   measured it faster there: runtime/engine.py, where vdpbf16ps streams 2 rows ~1.2x slower than 1 or
+   3 on a Zen 4 at 1 thread, fifty-first session; the same bits either way) */
+#define SF_KEEP 1
+#define SF_FMA2 2
+static inline int fma_pass(int k, int keep) { return sf_fma_rows[k] || (k == 2 && (keep & SF_FMA2)); }
+
+/* outputs in chunks of 32 per thread task; within a chunk every 8 rows of x in turn. keep: SF_KEEP and
+   SF_FMA2 above */
 void sf_gemv_dpbf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int n, int in, int out,
                     int keep) {
-    int pf = keep ? 0 : n == 1 ? SF_PF1 : SF_PF;  /* how far ahead the weights are prefetched (0: not) */
+    int pf = (keep & SF_KEEP) ? 0 : n == 1 ? SF_PF1 : SF_PF;  /* how far ahead the weights are prefetched (0: not) */
     int inp = (in + 31) / 32 * 32, fma = 0;
-    for (int r0 = 0; r0 < n; r0 += 8) fma |= sf_fma_rows[n - r0 < 8 ? n - r0 : 8];
+    for (int r0 = 0; r0 < n; r0 += 8) fma |= fma_pass(n - r0 < 8 ? n - r0 : 8, keep);
     float *xs = fma ? (float *)aligned_alloc(64, sizeof(float) * (size_t)n * (size_t)inp) : 0;
     if (xs) split_rows(x, xs, n, in, inp);  /* (no memory: the vdpbf16ps path, the same bits) */
     _Pragma("omp parallel")
@@ -405,7 +413,7 @@ void sf_gemv_dpbf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
             int o0 = c * 32, o1 = o0 + 32 < out ? o0 + 32 : out;
             for (int r0 = 0; r0 < n; r0 += 8) {
                 int k = n - r0 < 8 ? n - r0 : 8;
-                if (xs && sf_fma_rows[k])
+                if (xs && fma_pass(k, keep))
                     ROWSF_FN[k](xs + (int64_t)r0 * inp, inp, w, bias, y + (int64_t)r0 * out, in, out, o0, o1, pf);
                 else
                     ROWS_FN[k](x + (int64_t)r0 * in, w, bias, y + (int64_t)r0 * out, in, out, o0, o1, pf);
@@ -474,7 +482,7 @@ static const rowsq_fn ROWSQ_FN[9] = {0, rowsq1, rowsq2, rowsq3, rowsq4, rowsq5, 
    sf_gemv_dpbf16 (no prefetch ahead). 0, or 1 when the work buffer could not be allocated. */
 int sf_gemv_q8(const uint16_t *x, const uint8_t *w, const uint16_t *bias, uint16_t *y, int n, int in, int out,
                int keep) {
-    int pf = keep ? 0 : SF_Q8_PF;
+    int pf = (keep & SF_KEEP) ? 0 : SF_Q8_PF;
     int16_t *xq = (int16_t *)aligned_alloc(64, sizeof(int16_t) * (size_t)n * (size_t)in + 64);
     float *sx = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
     if (!xq || !sx) { free(xq); free(sx); return 1; }
@@ -577,7 +585,7 @@ static inline __m256i bf16x16(__m512 f) {
    a 16-row one (thirty-ninth session). */
 void sf_gemv_amx(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y, int n, int in, int out,
                  int keep) {
-    int nkb = in / 32, ng = (n + 15) / 16, rest = n % 16, pf = !keep;
+    int nkb = in / 32, ng = (n + 15) / 16, rest = n % 16, pf = !(keep & SF_KEEP);
     _Pragma("omp parallel")
     {
         sf_tilecfg c;
@@ -741,11 +749,14 @@ def bf16_supports(w: torch.Tensor) -> bool:
         and w.shape[1] % 2 == 0
 
 
-def gemv_bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, keep: bool = False) -> torch.Tensor:
+def gemv_bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, keep: bool = False,
+              fma2: bool = False) -> torch.Tensor:
     """``F.linear(x, w, b)`` for bf16 ``x`` ``[..., in]`` and bf16 ``w`` with the AVX-512 BF16 kernel:
     fp32 sums (bias added before the one rounding to bf16), any row count (8 at a time over each
     block of weight rows, read from memory once). ``keep``: ``w`` is read again every step (a
-    speculator head's): plain loads, no prefetch ahead (it is read from the caches, not streamed)."""
+    speculator head's): plain loads, no prefetch ahead (it is read from the caches, not streamed).
+    ``fma2``: passes of 2 rows over streamed weights take the FMA path (the same bits, where
+    :func:`fma_exact`; else ignored)."""
     lib = _load_bf16()[0]
     if lib is None:
         raise RuntimeError(f"the avx512bf16 kernel is unavailable: {bf16_unavailable_reason()}")
@@ -760,7 +771,7 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, k
     if n:
         bias = None if b is None else b.to(torch.bfloat16).contiguous()
         lib.sf_gemv_dpbf16(x2.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                           n, in_f, out_f, int(keep))
+                           n, in_f, out_f, int(keep) | (2 if fma2 and fma_exact() else 0))
     return y.view(*x.shape[:-1], out_f)
 
 

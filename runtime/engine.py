@@ -195,10 +195,11 @@ def _gemv_t(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None = None) ->
     return y if b is None else y + b
 
 
-def _avx512bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, keep: bool = False) -> torch.Tensor:
+def _avx512bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, keep: bool = False,
+                fma2: bool = False) -> torch.Tensor:
     # bf16 products only; a head kept in another dtype that reuses the target's choice gets ATen's
     if x.dtype == w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0:
-        return cpu_gemv.gemv_bf16(x, w, b, keep=keep)
+        return cpu_gemv.gemv_bf16(x, w, b, keep=keep, fma2=fma2)
     return F.linear(x, w, b)
 
 
@@ -390,6 +391,7 @@ class LlamaEngine:
         # decode and verification steps of one sequence in one C call where it runs (cpu_layers);
         # False keeps the op-by-op forward (A/B measurements, tests)
         self.use_layer_kernel = True
+        self.fma2 = False  # the 2-row passes over streamed weights on the FMA path (_two_rows_on_fma)
         self.version = self.weights_version()
         if kernels != "auto":
             self.kernels, self.kernels_from = tuple(kernels), "given"
@@ -414,6 +416,49 @@ class LlamaEngine:
         self._prepare(best)
         self._drop_unused(best)
         self.kernels = best
+        self.fma2 = self._two_rows_on_fma(parts)
+
+    def _two_rows_on_fma(self, parts: dict) -> bool:
+        """Whether the layer kernel's products and the LM head take their passes of 2 rows over this
+        model's streamed weights on the FMA path (the same bits: only where :func:`.cpu_gemv.fma_exact`).
+        On a 2-core AMD EPYC (Zen 4) vdpbf16ps streams 1 and 3-5 rows of SmolLM2-135M's matrices at
+        about one row's pace but 2 rows ~1.2x slower at 1 thread: a 2-token forward cost 1.29x a 1-token
+        one, ~1.0-1.05x with the 2-row passes on FMAs (the LM head 2.7 -> 2.1 ms); at 2 threads the two
+        tie; in cache vdpbf16ps is faster at every row count, so the drafting heads' products keep it
+        (docs/results.md, fifty-first session). A 2-token step is a chain of one draft, a serving step
+        of two requests' tokens, the adaptive controller's smallest shape. Measured on this model's own
+        forwards once per machine, thread count and kernel set, then kept (:meth:`_kept`)."""
+        if self.device.type != "cpu" or self.kernels[1] != "avx512bf16" or not cpu_gemv.fma_exact() \
+                or 2 in cpu_gemv.fma_rows() or self._layer_table(1, 2, None, self.new_cache(capacity=8).kv) is None:
+            return False  # (a layer kernel that does not run here, or runs every 2-row pass on FMAs already)
+        value, _ = self._kept("engine-fma2", {**parts, "kernels": list(self.kernels)}, self._measure_two_rows,
+                              lambda v: isinstance(v, bool))
+        return value
+
+    def _measure_two_rows(self) -> bool:
+        """Whether a 2-token forward after 64 cached tokens is faster (by more than 3%) with the 2-row passes
+        on the FMA path: the best of 8 rounds alternating the paths (a machine slowing down slows both)."""
+        gen = torch.Generator().manual_seed(0)
+        cache = self.new_cache(capacity=72)
+        best = {False: float("inf"), True: float("inf")}
+        with torch.inference_mode():
+            self.forward(torch.randint(0, self.embed.shape[0], (1, 64), generator=gen), cache, torch.arange(64).view(1, 64))
+            cache.commit()
+            ids = torch.randint(0, self.embed.shape[0], (1, 2), generator=gen)
+            pos = (64 + torch.arange(2)).view(1, 2)
+
+            def once():
+                self.forward(ids, cache, pos)
+                cache.rollback()
+
+            try:
+                for r in range(8):
+                    for on in best:
+                        self.fma2 = on
+                        best[on] = min(best[on], best_seconds(once, 2, self.device, warm=r == 0))
+            finally:
+                self.fma2 = False
+        return best[True] < 0.97 * best[False]
 
     def _kept(self, kind: str, parts: dict, measure, valid) -> tuple:
         """``(measure(), "measured")``, or the value kept on this machine for ``parts`` (:func:`.choices.kept`;
@@ -835,7 +880,7 @@ class LlamaEngine:
             table, F.embedding(input_ids.to(self.device), self.embed), cos, sin, kv, past, tree_mask,
             heads=(self.hq, self.hkv), intermediate=self.layers[0]["w_down"].shape[1], eps=self.eps,
             scale=self.scale, feature_layers=feature_layers, keys_t=keys_t,
-            amx=kernel_for(self.kernels, input_ids.shape[1]) == "amx")
+            amx=kernel_for(self.kernels, input_ids.shape[1]) == "amx", fma2=self.fma2)
 
     def run_layers(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention,
                    feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list]:
@@ -879,7 +924,9 @@ class LlamaEngine:
         if logits_for is not None:
             x = x[:, logits_for.to(self.device)]
         head_kernel = kernel_for(self.kernels, x.shape[0] * x.shape[1])
-        logits = KERNELS[head_kernel][1](x, self.head["lm_head@" + head_kernel])
+        w = self.head["lm_head@" + head_kernel]
+        logits = _avx512bf16(x, w, fma2=True) if self.fma2 and head_kernel == "avx512bf16" \
+            else KERNELS[head_kernel][1](x, w)
         return TargetOutput(logits=logits, features=features)
 
 

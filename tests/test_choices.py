@@ -180,3 +180,29 @@ def test_choices_unused_for_long_are_removed_when_another_is_kept(keep):
     assert used.stat().st_mtime > long_ago + 86400  # read back: marked used
     assert choices.kept("k", {"a": 3}, lambda: 4)[0] == 4  # keeping a new one prunes the unused
     assert not old.exists() and used.exists() and other.exists()
+
+
+def test_the_two_row_path_is_measured_on_the_model_then_kept(keep, monkeypatch):
+    from specfoundry.runtime import cpu_gemv, cpu_layers
+    from specfoundry.runtime import engine as engine_module
+
+    if not (cpu_layers.available() and cpu_gemv.fma_exact()):
+        pytest.skip("no layer kernel with an FMA path that gives vdpbf16ps's bits here (nothing to choose)")
+    monkeypatch.setattr(cpu_gemv, "fma_rows", lambda: ())  # (a CPU whose 2-row passes are on FMAs already: not asked)
+    eng = LlamaEngine(tiny_llama(0, vocab=96, hidden=128, layers=2, dtype=torch.bfloat16).model,
+                      ("avx512bf16", "avx512bf16", "avx512bf16"))
+    # the measurement: a 2-token forward timed with the flag off and on, on by a margin only
+    for off, on, want in ((2.0, 1.0, True), (1.0, 2.0, False), (1.0, 0.99, False)):
+        monkeypatch.setattr(engine_module, "best_seconds", lambda fn, *a, **k: fn() or (on if eng.fma2 else off))
+        assert eng._measure_two_rows() is want and eng.fma2 is False
+    # measured once per machine and model, then read back (tiny_llama's own engine, built with the
+    # kernels it measured, may have kept one already: gone)
+    for path in (keep / "choices").glob("engine-fma2-*.json"):
+        path.unlink()
+    calls = []
+    monkeypatch.setattr(LlamaEngine, "_measure_two_rows", lambda self: calls.append(1) or True)
+    parts = eng._choice_parts()
+    assert eng._two_rows_on_fma(parts) is True and eng._two_rows_on_fma(parts) is True and len(calls) == 1
+    (path,) = (keep / "choices").glob("engine-fma2-*.json")
+    path.write_text(json.dumps({**json.loads(path.read_text()), "value": False}))
+    assert eng._two_rows_on_fma(parts) is False and len(calls) == 1  # what is kept is what runs

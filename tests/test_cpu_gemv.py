@@ -195,6 +195,12 @@ def test_the_fma_path_gives_vdpbf16ps_bits(shape):
             ref = cpu_gemv.gemv_bf16(x[:n], w, bias)
             cpu_gemv.set_fma_rows(lib, range(1, 9))
             assert torch.equal(cpu_gemv.gemv_bf16(x[:n], w, bias), ref), n
+            # a caller's flag for its 2-row passes over streamed weights (the engine's fma2): 2 rows, and
+            # 10 = a pass of 8 then one of 2
+            cpu_gemv.set_fma_rows(lib, ())
+            assert torch.equal(cpu_gemv.gemv_bf16(x[:n], w, bias, fma2=True), ref), n
+        ref10 = cpu_gemv.gemv_bf16(x[:10], w, b)
+        assert torch.equal(cpu_gemv.gemv_bf16(x[:10], w, b, fma2=True), ref10)
     finally:
         cpu_gemv.set_fma_rows(lib, cpu_gemv.fma_rows())
 

@@ -124,6 +124,34 @@ def test_a_verification_on_either_products_path_is_the_same_bits(arch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(not cpu_gemv.fma_exact(), reason="the FMA path does not give vdpbf16ps's bits on this CPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_two_row_steps_with_the_fma_path_for_streamed_weights_are_the_same_bits(arch):
+    # the engine's fma2 (measured: LlamaEngine._two_rows_on_fma) moves 2-row passes of the layers' products
+    # and the LM head to FMAs: a chain of one draft, and a 10-node tree (a pass of 8 rows, then one of 2)
+    target = _target(arch)
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(0, 96, (1, 40), generator=g)
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 4, 3, 3, 8]])
+    steps = [(torch.randint(0, 96, (1, 2), generator=g), 40 + torch.arange(2).view(1, 2), None),
+             (torch.randint(0, 96, (1, 10), generator=g), 40 + tree_depths(parents), ancestor_matrix(parents))]
+    outs = {}
+    try:
+        for on in (False, True):
+            target.engine.fma2 = on
+            for j, (toks, pos, mask) in enumerate(steps):
+                cache = target.new_cache(capacity=64)
+                target.forward(prefix, cache)
+                cache.commit()
+                out = target.forward(toks, cache, position_ids=pos, tree_mask=mask, feature_layers=(0, 2, 3))
+                outs[on, j] = (out.logits, out.features, cache.kv[..., 40: 40 + toks.shape[1], :].clone())
+    finally:
+        target.engine.fma2 = False
+    for j in range(len(steps)):
+        for a, b in zip(outs[False, j], outs[True, j]):
+            assert torch.equal(a, b), j
+
+
 def test_greedy_speculation_equals_plain_through_it(monkeypatch, products_path):
     target = _target()
     calls = _spy(monkeypatch)
