@@ -892,6 +892,8 @@ class LlamaEngine:
         hq, hkv, D = self.hq, self.hkv, self.head_dim
         kernel = kernel_for(self.kernels, B * n)
         lin, sfx = KERNELS[kernel][1], "@" + kernel
+        if kernel == "avx512bf16" and self.fma2:  # (a serving step of two requests' tokens: 2 rows)
+            lin = functools.partial(_avx512bf16, fma2=True)
         feats, want = [], set(feature_layers)
         x = F.embedding(input_ids.to(self.device), self.embed)
         for i, w in enumerate(self.layers):

@@ -125,11 +125,14 @@ def test_a_verification_on_either_products_path_is_the_same_bits(arch):
 
 
 @pytest.mark.skipif(not cpu_gemv.fma_exact(), reason="the FMA path does not give vdpbf16ps's bits on this CPU")
+@pytest.mark.parametrize("layer_kernel", [True, False], ids=["layer-kernel", "op-by-op"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_two_row_steps_with_the_fma_path_for_streamed_weights_are_the_same_bits(arch):
+def test_two_row_steps_with_the_fma_path_for_streamed_weights_are_the_same_bits(arch, layer_kernel):
     # the engine's fma2 (measured: LlamaEngine._two_rows_on_fma) moves 2-row passes of the layers' products
-    # and the LM head to FMAs: a chain of one draft, and a 10-node tree (a pass of 8 rows, then one of 2)
+    # and the LM head to FMAs: a chain of one draft, and a 10-node tree (a pass of 8 rows, then one of 2);
+    # op by op as the serving batch's forward runs them
     target = _target(arch)
+    target.engine.use_layer_kernel = layer_kernel
     g = torch.Generator().manual_seed(3)
     prefix = torch.randint(0, 96, (1, 40), generator=g)
     parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 4, 3, 3, 8]])
