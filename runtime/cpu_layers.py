@@ -511,8 +511,9 @@ def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
     before them visible, or None (causal); ``heads`` ``(hq, hkv)``. ``xin`` ``[1, n, in]``: the first layer's attention
     input when its table row has no input norm (an EAGLE-3 head's 2H-wide input). ``keep``: the
     weights are read again every step (a head's): see :func:`.cpu_gemv.gemv_bf16`. ``fma2``: the
-    products' passes of 2 rows over the streamed weights take the FMA path (the same bits; the engine
-    measures which is faster here: :meth:`.engine.LlamaEngine.stream_two_rows_on_fma`). ``keys_t``: (K also
+    products' passes of 2 rows over the streamed weights take the FMA path (the same bits, where
+    :func:`.cpu_gemv.fma_exact`; else ignored; the engine measures which is faster here:
+    :meth:`.engine.LlamaEngine._two_rows_on_fma`). ``keys_t``: (K also
     stored transposed per 16-column block, ``[L, hkv, capacity, D]`` as
     :meth:`.kvcache.StaticKVCache.transposed_keys` keeps it, the first column it does not hold yet): the
     attention scores against it, and its columns from there through the new ones are written first.
@@ -555,7 +556,7 @@ def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
                            ptr(xin), in_dim, x.data_ptr(), c.data_ptr(), s.data_ptr(),
                            layer_kv.data_ptr(), layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(3), past,
                            ptr(b8), fl.data_ptr(), len(want), feats.data_ptr(),
-                           wb.data_ptr(), wf.data_ptr(), bw, int(keep) | (2 if fma2 else 0), ptr(kt),
+                           wb.data_ptr(), wf.data_ptr(), bw, int(keep) | (2 if fma2 and cpu_gemv.fma_exact() else 0), ptr(kt),
                            0 if kt is None else kt.stride(0), 0 if kt is None else kt.stride(1), kt_from, int(amx))
     cpu_attention.check(status)
     return x.view(1, n, H), [(i, feats[:, j].unsqueeze(0)) for j, i in enumerate(want)]
