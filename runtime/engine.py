@@ -891,9 +891,7 @@ class LlamaEngine:
         B, n = input_ids.shape
         hq, hkv, D = self.hq, self.hkv, self.head_dim
         kernel = kernel_for(self.kernels, B * n)
-        lin, sfx = KERNELS[kernel][1], "@" + kernel
-        if kernel == "avx512bf16" and self.fma2:  # (a serving step of two requests' tokens: 2 rows)
-            lin = functools.partial(_avx512bf16, fma2=True)
+        lin, sfx = self._streamed(kernel), "@" + kernel
         feats, want = [], set(feature_layers)
         x = F.embedding(input_ids.to(self.device), self.embed)
         for i, w in enumerate(self.layers):
@@ -926,10 +924,15 @@ class LlamaEngine:
         if logits_for is not None:
             x = x[:, logits_for.to(self.device)]
         head_kernel = kernel_for(self.kernels, x.shape[0] * x.shape[1])
-        w = self.head["lm_head@" + head_kernel]
-        logits = _avx512bf16(x, w, fma2=True) if self.fma2 and head_kernel == "avx512bf16" \
-            else KERNELS[head_kernel][1](x, w)
+        logits = self._streamed(head_kernel)(x, self.head["lm_head@" + head_kernel])
         return TargetOutput(logits=logits, features=features)
+
+    def _streamed(self, kernel: str):
+        """``kernel``'s product for the target's streamed weights: with the 2-row passes on the FMA path
+        where the engine chose that (:meth:`_two_rows_on_fma`; a serving step of two requests' tokens)."""
+        if kernel == "avx512bf16" and self.fma2:
+            return functools.partial(_avx512bf16, fma2=True)
+        return KERNELS[kernel][1]
 
 
 class EngineTarget(TargetModel):
