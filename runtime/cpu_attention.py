@@ -1,6 +1,7 @@
 """Decode attention on x86 CPUs: for the serving batch (AVX2+FMA, :func:`slot_attention`: every row
 over its own columns, with its own number of new tokens, in one call and without padding), and for
-one sequence's decode and verification steps (AVX-512 BF16, :func:`decode_attention`).
+one sequence's decode and verification steps (AVX-512 BF16, :func:`decode_attention`) and its prompt's
+prefill (the same kernel over the causal triangle, :func:`prefill_attention`).
 
 Why: a serving step attends ``B`` rows of unequal committed length, each with a few new tokens (1
 for plain decoding, a draft's nodes otherwise). PyTorch's CPU SDPA treats each call as a blocked
@@ -364,11 +365,16 @@ static int attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int
     int ps = (rmax + np - 1) / np;
     _Pragma("omp parallel for schedule(dynamic, 1)")
     for (int task = 0; task < B * hkv * np; task++) {
-        int b = task / (hkv * np), h = task / np % hkv, part = task % np;
+        /* the last parts first: in a causal prefill they see the most columns (dynamic schedule) */
+        int b = task / (hkv * np), h = task / np % hkv, part = np - 1 - task % np;
         int n = counts[b], R = g * n, r0 = part * ps, r1 = r0 + ps < R ? r0 + ps : R;
         if (r0 >= r1) continue;
         int P = r1 - r0, W = lens[b] + n, WP = (W + 15) / 16 * 16;
         int L = bw ? W - bw : lens[b];
+        /* causal (no block): the part's rows see no column past its last token's (Wt), and columns before
+           its first token's own (Lm) need no mask; masked columns weigh exactly 0, so skipping them leaves
+           every sum's bits as they were */
+        int Wt = blk ? W : L + (r1 - 1) / g + 1, WPt = (Wt + 15) / 16 * 16, Lm = blk ? L : L + r0 / g + 1;
         const uint16_t *Kh = Kc + b * s_slot + h * s_head, *Vh = Vc + b * s_slot + h * s_head;
         const uint8_t *block = blk ? blk + (int64_t)b * nb * nb : 0;
         const float *qb0 = q + (int64_t)first[b] * hq * D;
@@ -388,13 +394,13 @@ static int attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int
         }
 #ifdef SF_AMX
         int tiles = Ktc && amx;
-        if (tiles) amx_scores(qpair[0], P, D, Ktc + h * t_head, W, scale, sc, WP);
+        if (tiles) amx_scores(qpair[0], P, D, Ktc + h * t_head, Wt, scale, sc, WP);
 #else
         int tiles = 0;
         (void)amx;
 #endif
-        for (int c0 = 0; c0 < W; c0 += 16) {
-            int nc = W - c0 < 16 ? W - c0 : 16;
+        for (int c0 = 0; c0 < Wt; c0 += 16) {
+            int nc = Wt - c0 < 16 ? Wt - c0 : 16;
             if (Ktc && !tiles) {  /* columns past W in the last block are masked below */
                 const uint16_t *Kb = Ktc + h * t_head + (int64_t)c0 * D;
                 switch (P) {
@@ -411,7 +417,7 @@ static int attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int
             for (int r = 0; r < P; r++) {
                 float *sp = sc + (int64_t)r * WP;
                 if (!Ktc) scores_row(qb[r], Kh, D, c0, nc, scale, sp + c0);
-                if (c0 + 16 > L)
+                if (c0 + 16 > Lm)
                     for (int j = 0; j < 16; j++) {
                         int col = c0 + j, t = tt[r];
                         if (col >= W || (col >= L && !(block ? block[t * nb + (col - L)] : (col - L) <= t))) sp[c0 + j] = -INFINITY;
@@ -422,42 +428,47 @@ static int attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int
         for (int r = 0; r < P; r++) {
             float *sp = sc + (int64_t)r * WP;
             __m512 m = _mm512_set1_ps(-INFINITY);
-            for (int j = 0; j < WP; j += 16) m = _mm512_max_ps(m, _mm512_load_ps(sp + j));
+            for (int j = 0; j < WPt; j += 16) m = _mm512_max_ps(m, _mm512_load_ps(sp + j));
             float mx = _mm512_reduce_max_ps(m);
             __m512 mv = _mm512_set1_ps(mx), tot = _mm512_setzero_ps(), ninf = _mm512_set1_ps(-INFINITY);
             int Lb = L / 16 * 16, t = tt[r], k = 0;
-            for (int j = 0; j < WP; j += 16) {
+            for (int j = 0; j < WPt; j += 16) {
                 __m512 x = _mm512_load_ps(sp + j);
                 __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
                 __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, mv)));
                 _mm512_store_ps(sp + j, e);
-                if (j < Lb) tot = _mm512_add_ps(tot, e);
+                if (j < Lb || !block) tot = _mm512_add_ps(tot, e);
             }
             /* the rest of the sum over the columns a plain step at this token's position sees, in its
                lanes and order: the prefix's last partial block, then the visible new columns (a tree's
                ancestors and the node itself) moved next to it, as the commit will put them. So a tree
                node's sum (and P V, whose nonzero terms already run in that order) is a plain step's,
-               bit for bit (an earlier kernel summed in cache order: a tree's bf16 near-ties). */
-            float *tl = sc + (int64_t)P * WP;
-            for (int c = Lb; c < L; c++) tl[k++] = sp[c];
-            for (int c = L; c < W; c++)
-                if (block ? block[t * nb + (c - L)] : (c - L) <= t) tl[k++] = sp[c];
-            for (; k % 16; k++) tl[k] = 0.0f;
-            for (int j = 0; j < k; j += 16) tot = _mm512_add_ps(tot, _mm512_load_ps(tl + j));
+               bit for bit (an earlier kernel summed in cache order: a tree's bf16 near-ties). Causal (no
+               block): those columns already lie in that order from Lb and the row's later ones are exact
+               zeros, so the loop above has summed them as the gather would (a prefill's rows: no scalar
+               pass over their columns). */
+            if (block) {
+                float *tl = sc + (int64_t)P * WP;
+                for (int c = Lb; c < L; c++) tl[k++] = sp[c];
+                for (int c = L; c < Wt; c++)
+                    if (block[t * nb + (c - L)]) tl[k++] = sp[c];
+                for (; k % 16; k++) tl[k] = 0.0f;
+                for (int j = 0; j < k; j += 16) tot = _mm512_add_ps(tot, _mm512_load_ps(tl + j));
+            }
             inv[r] = 1.0f / _mm512_reduce_add_ps(tot);
             sps[r] = sp;
             os[r] = ob0 + ((int64_t)tt[r] * hq + hh[r]) * D;
         }
         int r = 0;
         if (D == 64) {
-            for (; r + 4 <= P; r += 4) pv4_4(sps + r, Vh, W, inv + r, os + r);
-            for (; r + 2 <= P; r += 2) pv2_4(sps + r, Vh, W, inv + r, os + r);
-            for (; r < P; r++) pv1_4(sps + r, Vh, W, inv + r, os + r);
+            for (; r + 4 <= P; r += 4) pv4_4(sps + r, Vh, Wt, inv + r, os + r);
+            for (; r + 2 <= P; r += 2) pv2_4(sps + r, Vh, Wt, inv + r, os + r);
+            for (; r < P; r++) pv1_4(sps + r, Vh, Wt, inv + r, os + r);
         } else if (D == 128) {
-            for (; r + 2 <= P; r += 2) pv2_8(sps + r, Vh, W, inv + r, os + r);
-            for (; r < P; r++) pv1_8(sps + r, Vh, W, inv + r, os + r);
+            for (; r + 2 <= P; r += 2) pv2_8(sps + r, Vh, Wt, inv + r, os + r);
+            for (; r < P; r++) pv1_8(sps + r, Vh, Wt, inv + r, os + r);
         }
-        for (; r < P; r++) pv_one(sps[r], Vh, W, D, inv[r], os[r]);
+        for (; r < P; r++) pv_one(sps[r], Vh, Wt, D, inv[r], os[r]);
         free(sc);
     }
     return failed;
@@ -467,10 +478,36 @@ int sf_attn_rows(const float *q, const uint16_t *Kc, const uint16_t *Vc, int64_t
                   int B, int hq, int hkv, int D, float scale, float *out, int bw) {
     return attn_rows(q, Kc, Vc, s_slot, s_head, lens, counts, first, blk, nb, B, hq, hkv, D, scale, out, bw, 0, 0, 0);
 }
+/* a causal prefill of one sequence: n tokens whose K/V are written at past (q fp32 [n][hq][D], K and V
+   [hkv][cap][D] with head stride s_head), token t seeing columns 0 .. past + t. K is first copied transposed
+   per 16-column block into a work buffer (zeros past the last column), so the scores take one K vector per
+   pair of dimensions for all of a part's rows (scores_tP), and each part scores only up to its last
+   token's column: the triangle, not the square. */
+int sf_attn_causal(const float *q, const uint16_t *Kc, const uint16_t *Vc, int64_t s_head, int past, int n,
+                   int hq, int hkv, int D, float scale, float *out) {
+    int W = past + n, nb16 = (W + 15) / 16;
+    int64_t t_head = (int64_t)nb16 * 16 * D;
+    uint16_t *Kt = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)(hkv * t_head));
+    if (!Kt) return 1;
+    _Pragma("omp parallel for collapse(2) if (W * hkv > 512)")
+    for (int h = 0; h < hkv; h++)
+        for (int b16 = 0; b16 < nb16; b16++) {
+            for (int c = 16 * b16; c < 16 * b16 + 16 && c < W; c++) kt_column(Kc + h * s_head, Kt + h * t_head, c, D);
+            if (16 * b16 + 16 > W) {
+                uint32_t *dst = (uint32_t *)(Kt + h * t_head + (int64_t)b16 * 16 * D);
+                for (int k = 0; k < D / 2; k++)
+                    for (int j = W - 16 * b16; j < 16; j++) dst[k * 16 + j] = 0;
+            }
+        }
+    int lens = past, counts = n, first = 0;
+    int failed = attn_rows(q, Kc, Vc, 0, s_head, &lens, &counts, &first, 0, n, 1, hq, hkv, D, scale, out, 0, Kt, t_head, 0);
+    free(Kt);
+    return failed;
+}
 """
 
 #: most new tokens per sequence :func:`decode_attention` takes (decode steps, drafts, small trees;
-#: prefill keeps SDPA's blocked kernel)
+#: a prefill runs :func:`prefill_attention`)
 DECODE_MAX_TOKENS = 16
 
 MAX_HEAD_DIM = 256
@@ -489,8 +526,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 def _load_decode() -> tuple[ctypes.CDLL | None, str | None]:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     return _returning_int(build("sfattnrows", _SOURCE_DECODE,
-                                {"sf_attn_rows": [p, p, p, i64, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, p, i32]},
-                                isa=AVX512_BF16), "sf_attn_rows")
+                                {"sf_attn_rows": [p, p, p, i64, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, p, i32],
+                                 "sf_attn_causal": [p, p, p, i64, i32, i32, i32, i32, i32, ctypes.c_float, p]},
+                                isa=AVX512_BF16), "sf_attn_rows", "sf_attn_causal")
 
 
 def _returning_int(built: tuple, *names: str) -> tuple:
@@ -513,10 +551,16 @@ def decode_supports(layer_kv: torch.Tensor, batch: int, n: int) -> bool:
     """Whether :func:`decode_attention` runs a step of ``n`` new tokens on this ``[2, B, hkv,
     capacity, D]`` cache layer: one sequence, bf16 on CPU, D a multiple of 32 (<= 256), at most
     :data:`DECODE_MAX_TOKENS` tokens, and the kernel built here."""
+    return 1 <= n <= DECODE_MAX_TOKENS and _one_bf16_sequence(layer_kv, batch)
+
+
+def _one_bf16_sequence(layer_kv: torch.Tensor, batch: int) -> bool:
+    """What the one-sequence kernels need of a ``[2, B, hkv, capacity, D]`` cache layer: one sequence,
+    bf16 on CPU, D a multiple of 32 (<= 256), columns contiguous, and the kernels built here."""
     D = layer_kv.shape[-1]
-    return (batch == 1 and 1 <= n <= DECODE_MAX_TOKENS and layer_kv.device.type == "cpu"
-            and layer_kv.dtype == torch.bfloat16 and D % 32 == 0 and D <= MAX_HEAD_DIM
-            and layer_kv.stride(-1) == 1 and layer_kv.stride(-2) == D and _load_decode()[0] is not None)
+    return (batch == 1 and layer_kv.device.type == "cpu" and layer_kv.dtype == torch.bfloat16 and D % 32 == 0
+            and D <= MAX_HEAD_DIM and layer_kv.stride(-1) == 1 and layer_kv.stride(-2) == D
+            and _load_decode()[0] is not None)
 
 
 def decode_attention(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
@@ -540,6 +584,33 @@ def decode_attention(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     check(lib.sf_attn_rows(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1),
                            *(ctypes.addressof(v) for v in i32), None if b8 is None else b8.data_ptr(), n, 1, hq,
                            keys.shape[1], D, float(scale), out.data_ptr(), 0))
+    return out.view(1, n, hq * D).to(layer_kv.dtype)
+
+
+def prefill_supports(layer_kv: torch.Tensor, batch: int, n: int) -> bool:
+    """Whether :func:`prefill_attention` runs a causal step of ``n`` tokens on this cache layer: what
+    :func:`decode_supports` asks, for any number of tokens."""
+    return n >= 1 and _one_bf16_sequence(layer_kv, batch)
+
+
+def prefill_attention(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
+                      scale: float) -> torch.Tensor:
+    """A prompt's prefill of one sequence on the decode kernel (:func:`prefill_supports`): writes ``k``/``v``
+    ``[1, n, hkv, D]`` at ``past`` and attends ``q`` ``[1, n, hq, D]`` causally (token ``t`` over columns
+    ``0 .. past + t``). Each part of the query rows scores only up to its last token's column, against K
+    transposed per 16-column block in a work buffer: the causal triangle at the scores' full rate where
+    SDPA's flash kernel ran at ~29 GFLOP/s here (docs/results.md, fifty-second session). Numerics are
+    :func:`decode_attention`'s (fp32 scores of bf16 inputs, fp32 softmax and sums); a row's output does
+    not depend on how many tokens share the call."""
+    lib = _load_decode()[0]
+    n, hq, D = q.shape[1], q.shape[2], q.shape[3]
+    layer_kv[0, 0, :, past: past + n].copy_(k[0].transpose(0, 1))
+    layer_kv[1, 0, :, past: past + n].copy_(v[0].transpose(0, 1))
+    qf = q[0].to(torch.float32).contiguous()
+    out = torch.empty(n, hq, D, dtype=torch.float32)
+    keys, values = layer_kv[0], layer_kv[1]
+    check(lib.sf_attn_causal(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(1), past, n, hq,
+                             keys.shape[1], D, float(scale), out.data_ptr()))
     return out.view(1, n, hq * D).to(layer_kv.dtype)
 
 

@@ -391,6 +391,7 @@ class LlamaEngine:
         # decode and verification steps of one sequence in one C call where it runs (cpu_layers);
         # False keeps the op-by-op forward (A/B measurements, tests)
         self.use_layer_kernel = True
+        self.prefill_kernel = True  # a prompt's prefill on cpu_attention.prefill_attention; False: SDPA (A/B)
         self.fma2 = False  # the 2-row passes over streamed weights on the FMA path (_two_rows_on_fma)
         self.version = self.weights_version()
         if kernels != "auto":
@@ -838,6 +839,11 @@ class LlamaEngine:
             # than SDPA here for 1-8 tokens (docs/results.md, twenty-second session); no mask to build
             x, feats = self.run_layers(input_ids, cos, sin, lambda i, q, k, v: cpu_attention.decode_attention(
                 kv[i], q, k, v, past, tree_mask, self.scale), feature_layers)
+        elif tree_mask is None and self.prefill_kernel and cpu_attention.prefill_supports(kv[0], B, n):
+            # a prompt's prefill on the same kernel, over the causal triangle only: ~3x SDPA's flash
+            # attention here (docs/results.md, fifty-second session)
+            x, feats = self.run_layers(input_ids, cos, sin, lambda i, q, k, v: cpu_attention.prefill_attention(
+                kv[i], q, k, v, past, self.scale), feature_layers)
         else:
             causal = prefill_causal(tree_mask, past, n, kv.device)  # a prefill: no mask at all
             mask = None if causal else self.masks.get(tree_mask, B, n, past)

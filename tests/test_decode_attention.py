@@ -1,7 +1,9 @@
 """One sequence's AVX-512 BF16 decode/verification attention (runtime/cpu_attention.py
 decode_attention): equal to float64 attention within bf16 rounding for random trees, closer than
 SDPA; a chain token's or a tree node's output the same bits as when decoded alone after the commit; the engine's
-forward takes it for a bf16 batch-1 step and its logits stay those of the SDPA path. Not run on
+forward takes it for a bf16 batch-1 step and its logits stay those of the SDPA path. The prefill on the same
+kernel (prefill_attention, the causal triangle): equal to float64 as closely as SDPA, a row's output
+independent of the tokens after it, taken by the engine's prefill with SDPA's logits. Not run on
 CPUs without avx512_bf16 (the engine keeps SDPA there)."""
 
 import pytest
@@ -139,13 +141,63 @@ def test_a_tree_nodes_output_is_the_same_bits_as_after_the_commit(past):
         assert torch.equal(chain[-1], tree[node]), (past, node, path)
 
 
+@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("n,past,hq,hkv", [(17, 0, 9, 3), (40, 0, 6, 2), (203, 0, 9, 3), (33, 50, 9, 3),
+                                           (70, 100, 4, 4), (2, 0, 9, 3)])
+def test_prefill_attention_equals_float64_and_is_as_close_as_sdpa(D, n, past, hq, hkv):
+    # a prompt's prefill (and a continuation after a cached prefix) over the causal triangle
+    from specfoundry.runtime.kvcache import MaskBuffer
+
+    g = torch.Generator().manual_seed(n * 1000 + past + D)
+    layer = torch.randn(2, 1, hkv, past + n + 5, D, generator=g).bfloat16()
+    q = torch.randn(1, n, hq, D, generator=g).bfloat16()
+    k, v = torch.randn(2, 1, n, hkv, D, generator=g).bfloat16()
+    assert cpu_attention.prefill_supports(layer, 1, n)
+    sdpa_layer = layer.clone()
+    got = cpu_attention.prefill_attention(layer, q, k, v, past, D ** -0.5)
+    ref = _reference(layer, q, past, None, D ** -0.5)
+    with torch.inference_mode():
+        masks = MaskBuffer(hq // hkv, torch.device("cpu"))
+        causal = torch.ones(1, n, n, dtype=torch.bool).tril()
+        sdpa = attend(sdpa_layer, q, k, v, past, masks.get(causal, 1, n, past), D ** -0.5)
+    assert torch.equal(layer, sdpa_layer)  # the new K/V written in the same places
+    err, sdpa_err = (got.double() - ref).abs().max(), (sdpa.double() - ref).abs().max()
+    assert got.shape == sdpa.shape and got.dtype == torch.bfloat16
+    assert err <= 8e-3 * ref.abs().max() and err <= sdpa_err + 4e-3 * ref.abs().max()
+
+
+def test_a_prefill_rows_output_does_not_depend_on_the_tokens_after_it():
+    # each part of the query rows scores only up to its last token's column and sums its softmax in
+    # one order whatever the part: token t's float32 output is the same bits in a prefill of t + 1
+    # tokens as in a prefill of all n (parts split elsewhere, more columns in the buffers)
+    import ctypes
+
+    g = torch.Generator().manual_seed(7)
+    hq, hkv, D, past, n = 9, 3, 64, 21, 90
+    layer = (3 * torch.randn(2, 1, hkv, past + n + 3, D, generator=g)).bfloat16()  # peaked scores
+    q = (3 * torch.randn(n, hq, D, generator=g)).float()
+
+    def rows(m):
+        out = torch.empty(m, hq, D)
+        cpu_attention.check(cpu_attention._load_decode()[0].sf_attn_causal(
+            q.data_ptr(), layer[0].data_ptr(), layer[1].data_ptr(), layer[0].stride(1), past, m, hq, hkv, D,
+            D ** -0.5, out.data_ptr()))
+        return out
+
+    full = rows(n)
+    for m in (1, 2, 17, 45, 89):
+        assert torch.equal(rows(m)[m - 1], full[m - 1]), m
+
+
 def test_decode_support_is_refused_outside_its_scope():
     ok = torch.zeros(2, 1, 3, 40, 64, dtype=torch.bfloat16)
     assert cpu_attention.decode_supports(ok, 1, 1) and cpu_attention.decode_supports(ok, 1, cpu_attention.DECODE_MAX_TOKENS)
     assert not cpu_attention.decode_supports(ok, 2, 1)  # batches: the slots' kernel / SDPA
-    assert not cpu_attention.decode_supports(ok, 1, cpu_attention.DECODE_MAX_TOKENS + 1)  # prefill: SDPA
-    assert not cpu_attention.decode_supports(ok.float(), 1, 1)
-    assert not cpu_attention.decode_supports(torch.zeros(2, 1, 3, 40, 48, dtype=torch.bfloat16), 1, 1)  # D % 32
+    assert not cpu_attention.decode_supports(ok, 1, cpu_attention.DECODE_MAX_TOKENS + 1)  # prefill: its own call
+    assert cpu_attention.prefill_supports(ok, 1, 1000) and not cpu_attention.prefill_supports(ok, 2, 30)
+    assert not cpu_attention.decode_supports(ok.float(), 1, 1) and not cpu_attention.prefill_supports(ok.float(), 1, 30)
+    odd = torch.zeros(2, 1, 3, 40, 48, dtype=torch.bfloat16)  # D % 32
+    assert not cpu_attention.decode_supports(odd, 1, 1) and not cpu_attention.prefill_supports(odd, 1, 30)
 
 
 def test_engine_forward_takes_it_and_keeps_sdpas_logits(monkeypatch):
@@ -171,6 +223,26 @@ def test_engine_forward_takes_it_and_keeps_sdpas_logits(monkeypatch):
     a, b = outs[cpu_attention.DECODE_MAX_TOKENS], outs[0]
     assert (a - b).abs().max() <= 0.03 * b.abs().max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.85
+
+
+def test_engine_prefill_takes_the_causal_kernel_and_keeps_sdpas_logits(monkeypatch):
+    target = tiny_llama(0, vocab=96, hidden=128, layers=2, dtype=torch.bfloat16, init_std=0.02)  # head_dim 32
+    calls = []
+    real = cpu_attention.prefill_attention
+    monkeypatch.setattr(cpu_attention, "prefill_attention", lambda *a: calls.append(a[1].shape[1]) or real(*a))
+    g = torch.Generator().manual_seed(3)
+    prompt, more = torch.randint(0, 96, (1, 60), generator=g), torch.randint(0, 96, (1, 25), generator=g)
+    outs = {}
+    for kernel in (True, False):  # False: SDPA's causal path
+        target.engine.prefill_kernel = kernel
+        cache = target.new_cache(capacity=128)
+        first = target.forward(prompt, cache).logits.float()
+        cache.commit()
+        outs[kernel] = torch.cat([first, target.forward(more, cache).logits.float()], 1)  # after a cached prefix
+    assert calls == [60, 60, 25, 25]  # both layers, both prefills, only when chosen
+    a, b = outs[True], outs[False]
+    assert (a - b).abs().max() <= 0.03 * b.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
 
 
 def test_speculative_greedy_equals_plain_through_the_kernel(monkeypatch):
