@@ -598,8 +598,8 @@ def prefill_attention(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     """A prompt's prefill of one sequence on the decode kernel (:func:`prefill_supports`): writes ``k``/``v``
     ``[1, n, hkv, D]`` at ``past`` and attends ``q`` ``[1, n, hq, D]`` causally (token ``t`` over columns
     ``0 .. past + t``). Each part of the query rows scores only up to its last token's column, against K
-    transposed per 16-column block in a work buffer: the causal triangle at the scores' full rate where
-    SDPA's flash kernel ran at ~29 GFLOP/s here (docs/results.md, fifty-second session). Numerics are
+    transposed per 16-column block in a work buffer: the causal triangle, 2.2-2.5x SDPA's flash attention
+    on a Zen 4 EPYC at 200-700 tokens (docs/results.md, fifty-second session). Numerics are
     :func:`decode_attention`'s (fp32 scores of bf16 inputs, fp32 softmax and sums); a row's output does
     not depend on how many tokens share the call."""
     lib = _load_decode()[0]

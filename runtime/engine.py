@@ -840,7 +840,7 @@ class LlamaEngine:
             x, feats = self.run_layers(input_ids, cos, sin, lambda i, q, k, v: cpu_attention.decode_attention(
                 kv[i], q, k, v, past, tree_mask, self.scale), feature_layers)
         elif tree_mask is None and self.prefill_kernel and cpu_attention.prefill_supports(kv[0], B, n):
-            # a prompt's prefill on the same kernel, over the causal triangle only: ~3x SDPA's flash
+            # a prompt's prefill on the same kernel, over the causal triangle only: 2.2-2.5x SDPA's flash
             # attention here (docs/results.md, fifty-second session)
             x, feats = self.run_layers(input_ids, cos, sin, lambda i, q, k, v: cpu_attention.prefill_attention(
                 kv[i], q, k, v, past, self.scale), feature_layers)
