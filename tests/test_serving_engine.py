@@ -177,6 +177,38 @@ def test_mixed_forward_runs_prefill_chunks_beside_decode_rows(target, decode_row
                                    rtol=1e-9, atol=1e-9)
 
 
+def test_prefill_chunks_of_a_bf16_target_attend_on_the_causal_kernel(monkeypatch):
+    """A bf16 target (head_dim 32): each request's prompt chunks (a first chunk, then one after its
+    cached prefix) attend on the engine's causal prefill kernel, as a solo prefill does, and give a solo
+    prefill's last-token logits and K/V within bf16 rounding (the products' row counts differ)."""
+    from specfoundry.runtime import cpu_attention
+
+    if not cpu_attention.prefill_supports(torch.zeros(2, 1, 2, 8, 32, dtype=torch.bfloat16), 1, 2):
+        pytest.skip(f"the AVX-512 BF16 attention kernel is unavailable: {cpu_attention._load_decode()[1]}")
+    target = tiny_llama(4, vocab=64, hidden=128, layers=2, dtype=torch.bfloat16, init_std=0.02)
+    engine = target._engine()
+    calls = []
+    real = cpu_attention.prefill_attention
+    monkeypatch.setattr(cpu_attention, "prefill_attention", lambda *a: calls.append(a[4]) or real(*a))
+    gen = torch.Generator().manual_seed(5)
+    prompts_ = [torch.randint(0, 64, (n,), generator=gen) for n in (21, 40)]
+    slots = SlotCache(engine, slots=2, capacity=64)
+    caches = [engine.new_cache(capacity=2) for _ in prompts_]
+    last = [None, None]
+    for cuts in ([(0, 9), (0, 17)], [(9, 21), (17, 40)]):
+        chunks = [(caches[j], prompts_[j][a:b]) for j, (a, b) in enumerate(cuts)]
+        _, fs = slots_module.forward_mixed(slots, torch.zeros(0, 1, dtype=torch.long),
+                                           torch.zeros(0, 1, dtype=torch.long), None, chunks)
+        last = [lg.float() for lg, _ in fs]
+    assert sorted(set(calls)) == [0, 9, 17]  # the first chunks (past 0) and the later ones (after their prefix)
+    for j, p in enumerate(prompts_):
+        ref_cache = target.new_cache()
+        ref = target.forward(p.view(1, -1), ref_cache).logits[0, -1].float()
+        assert (last[j] - ref).abs().max() <= 0.03 * ref.abs().max()
+        got_kv, ref_kv = caches[j].kv[..., : p.numel(), :].float(), ref_cache.kv[..., : p.numel(), :].float()
+        assert (got_kv - ref_kv).abs().max() <= 0.03 * ref_kv.abs().max()
+
+
 def _serving_drafter(target, drafter):
     if drafter == "draft":
         return DraftModelDrafter(perturbed_copy(target, 0.02), depth=4)

@@ -235,15 +235,17 @@ def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
     flat = torch.cat([dec_tokens] + [ids.to(dev) for _, ids in chunks]).view(1, -1)
     cos, sin = engine.rope(torch.cat(pos).view(1, -1))
     decode = _slot_attention(cache, B, n, block, counts or [n] * B) if B else None
-    masks, causal = [], []
+    masks, causal, kernel = [], [], []
     for pc, ids in chunks:
         pc.check_ready()
         c = int(ids.shape[0])
         pc.reserve(c)
-        # the chunk sees its request's earlier chunks and itself causally; one token needs no mask, and
-        # a first chunk none either (SDPA's causal flag: kvcache.prefill_causal)
+        # the chunk sees its request's earlier chunks and itself causally: on the engine's causal prefill
+        # kernel where it runs (a one-sequence bf16 cache, as the engine's own prefill), else by SDPA, where
+        # one token needs no mask, and a first chunk none either (its causal flag: kvcache.prefill_causal)
+        kernel.append(engine.prefill_kernel and cpu_attention.prefill_supports(pc.kv[0], 1, c))
         causal.append(prefill_causal(None, pc.length, c, dev))
-        m = None if c == 1 or causal[-1] else \
+        m = None if c == 1 or causal[-1] or kernel[-1] else \
             torch.ones(c, pc.length + c, dtype=torch.bool, device=dev).tril(pc.length)
         masks.append(None if m is None else m.repeat(engine.groups, 1).view(1, 1, engine.groups * c, -1))
 
@@ -256,8 +258,12 @@ def forward_mixed(cache: SlotCache, tokens: torch.Tensor, positions: torch.Tenso
     def attention(i, q, k, v):
         qs, ks, vs = (t[0].split(sizes) for t in (q, k, v))
         outs = [decode(i, qs[0], ks[0], vs[0])] if B else []
-        for (pc, _), m, cz, qc, kc, vc in zip(chunks, masks, causal, qs[1:], ks[1:], vs[1:]):
-            outs.append(attend(pc.kv[i], qc[None], kc[None], vc[None], pc.length, m, engine.scale, cz)[0])
+        for (pc, _), m, cz, kern, qc, kc, vc in zip(chunks, masks, causal, kernel, qs[1:], ks[1:], vs[1:]):
+            if kern:
+                outs.append(cpu_attention.prefill_attention(pc.kv[i], qc[None], kc[None], vc[None], pc.length,
+                                                            engine.scale)[0])
+            else:
+                outs.append(attend(pc.kv[i], qc[None], kc[None], vc[None], pc.length, m, engine.scale, cz)[0])
         return torch.cat(outs).view(1, flat.shape[1], -1)
 
     x, feats = engine.run_layers(flat, cos, sin, attention, feature_layers)
