@@ -572,19 +572,25 @@ def decode_attention(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     0, the softmax sum runs over the visible columns in a plain step's order), so a chain's token or a
     tree's node gets the same bits as when it is decoded alone after the commit (tested);
     equal to SDPA within bf16 rounding, measured closer to float64 than SDPA's."""
-    lib = _load_decode()[0]
     n, hq, D = q.shape[1], q.shape[2], q.shape[3]
+    qf, out, keys, values = _one_sequence_step(layer_kv, q, k, v, past)
+    b8 = None if block is None or n == 1 else block.reshape(n, n).to(torch.uint8).contiguous()
+    i32 = [ctypes.c_int32(v) for v in (past, n, 0)]
+    check(_load_decode()[0].sf_attn_rows(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0),
+                                         keys.stride(1), *(ctypes.addressof(v) for v in i32),
+                                         None if b8 is None else b8.data_ptr(), n, 1, hq, keys.shape[1], D,
+                                         float(scale), out.data_ptr(), 0))
+    return out.view(1, n, hq * D).to(layer_kv.dtype)
+
+
+def _one_sequence_step(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int):
+    """The one-sequence kernels' inputs: ``k``/``v`` ``[1, n, hkv, D]`` written at ``past``; the queries
+    as fp32 ``[n, hq, D]``, an fp32 output of that shape, and the layer's K and V."""
+    n = q.shape[1]
     layer_kv[0, 0, :, past: past + n].copy_(k[0].transpose(0, 1))
     layer_kv[1, 0, :, past: past + n].copy_(v[0].transpose(0, 1))
     qf = q[0].to(torch.float32).contiguous()
-    out = torch.empty(n, hq, D, dtype=torch.float32)
-    b8 = None if block is None or n == 1 else block.reshape(n, n).to(torch.uint8).contiguous()
-    keys, values = layer_kv[0], layer_kv[1]
-    i32 = [ctypes.c_int32(v) for v in (past, n, 0)]
-    check(lib.sf_attn_rows(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1),
-                           *(ctypes.addressof(v) for v in i32), None if b8 is None else b8.data_ptr(), n, 1, hq,
-                           keys.shape[1], D, float(scale), out.data_ptr(), 0))
-    return out.view(1, n, hq * D).to(layer_kv.dtype)
+    return qf, torch.empty(qf.shape, dtype=torch.float32), layer_kv[0], layer_kv[1]
 
 
 def prefill_supports(layer_kv: torch.Tensor, batch: int, n: int) -> bool:
@@ -602,15 +608,10 @@ def prefill_attention(layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     on a Zen 4 EPYC at 200-700 tokens (docs/results.md, fifty-second session). Numerics are
     :func:`decode_attention`'s (fp32 scores of bf16 inputs, fp32 softmax and sums); a row's output does
     not depend on how many tokens share the call."""
-    lib = _load_decode()[0]
     n, hq, D = q.shape[1], q.shape[2], q.shape[3]
-    layer_kv[0, 0, :, past: past + n].copy_(k[0].transpose(0, 1))
-    layer_kv[1, 0, :, past: past + n].copy_(v[0].transpose(0, 1))
-    qf = q[0].to(torch.float32).contiguous()
-    out = torch.empty(n, hq, D, dtype=torch.float32)
-    keys, values = layer_kv[0], layer_kv[1]
-    check(lib.sf_attn_causal(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(1), past, n, hq,
-                             keys.shape[1], D, float(scale), out.data_ptr()))
+    qf, out, keys, values = _one_sequence_step(layer_kv, q, k, v, past)
+    check(_load_decode()[0].sf_attn_causal(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(1), past,
+                                           n, hq, keys.shape[1], D, float(scale), out.data_ptr()))
     return out.view(1, n, hq * D).to(layer_kv.dtype)
 
 
