@@ -73,7 +73,7 @@ from .timing import best_seconds
 
 __all__ = ["AMX_ROWS", "MAX_ROWS", "amx_available", "amx_pack", "amx_supports", "amx_unavailable_reason", "available",
            "bf16_available", "bf16_unavailable_reason", "configure", "fma_exact", "fma_rows", "gemv", "gemv_bf16",
-           "set_fma_rows",
+           "keep_bits", "set_fma_rows",
            "gemv_amx", "unavailable_reason"]
 
 MAX_ROWS = 8  # rows handled in one pass over the weights (accumulators held in registers)
@@ -749,6 +749,12 @@ def bf16_supports(w: torch.Tensor) -> bool:
         and w.shape[1] % 2 == 0
 
 
+def keep_bits(keep: bool, fma2: bool) -> int:
+    """The C kernels' ``keep`` argument: ``SF_KEEP`` (1) for weights read again every step, ``SF_FMA2``
+    (2) for 2-row passes over streamed weights on the FMA path, only where :func:`fma_exact`."""
+    return int(keep) | (2 if fma2 and fma_exact() else 0)
+
+
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, keep: bool = False,
               fma2: bool = False) -> torch.Tensor:
     """``F.linear(x, w, b)`` for bf16 ``x`` ``[..., in]`` and bf16 ``w`` with the AVX-512 BF16 kernel:
@@ -771,7 +777,7 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, k
     if n:
         bias = None if b is None else b.to(torch.bfloat16).contiguous()
         lib.sf_gemv_dpbf16(x2.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                           n, in_f, out_f, int(keep) | (2 if fma2 and fma_exact() else 0))
+                           n, in_f, out_f, keep_bits(keep, fma2))
     return y.view(*x.shape[:-1], out_f)
 
 

@@ -556,7 +556,7 @@ def run_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
                            ptr(xin), in_dim, x.data_ptr(), c.data_ptr(), s.data_ptr(),
                            layer_kv.data_ptr(), layer_kv.stride(0), layer_kv.stride(1), layer_kv.stride(3), past,
                            ptr(b8), fl.data_ptr(), len(want), feats.data_ptr(),
-                           wb.data_ptr(), wf.data_ptr(), bw, int(keep) | (2 if fma2 and cpu_gemv.fma_exact() else 0), ptr(kt),
+                           wb.data_ptr(), wf.data_ptr(), bw, cpu_gemv.keep_bits(keep, fma2), ptr(kt),
                            0 if kt is None else kt.stride(0), 0 if kt is None else kt.stride(1), kt_from, int(amx))
     cpu_attention.check(status)
     return x.view(1, n, H), [(i, feats[:, j].unsqueeze(0)) for j, i in enumerate(want)]
