@@ -142,113 +142,191 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even (finite valu
     return (uint16_t)(v.u >> 16);
 }
 static inline float from_bf16(uint16_t h) { union { uint32_t u; float f; } v = { (uint32_t)h << 16 }; return v.f; }
+/* to_bf16 of 16 lanes (round to nearest even; infinities and NaNs as to_bf16 has them) */
+static inline __m256i bf16x16(__m512 f) {
+    __m512i u = _mm512_castps_si512(f), ex = _mm512_set1_epi32(0x7f800000);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                  _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))), 16);
+    __mmask16 special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, ex), ex);
+    __m512i s = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_maskz_mov_epi32(
+        _mm512_test_epi32_mask(u, _mm512_set1_epi32(0xffff)), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, special, s));
+}
+
+/* Each output's 16 lanes of fp32 sums are added as _mm512_reduce_add_ps adds them (lanes i and i + 8, then
+   i and i + 4, i and i + 2, i and i + 1), but for a group of 16 outputs at once, a transposed reduction:
+   45 shuffles and adds and one vector rounding and store per 16 outputs, where each output alone took a
+   reduction of 8 instructions and a scalar rounding and store. The same pairs of the same values are
+   added (fp32 addition commutes), so every output keeps its bits. It runs as the outputs finish
+   (sf_take: output j of a group pairs with j - 1 when j is odd, that pair with the one before when
+   j % 4 == 3, ...), spread over the group. Measured on a 2-core Zen 4 (fifty-third session), matrices
+   held in L2 / L3 (where the products are bound by their instructions): 4-5 rows of x 1.09-1.18x faster,
+   3 rows 1.03-1.05x, 8 rows 1.01-1.08x, 1-2 rows within 3%; weights streamed from memory: within the
+   noise, plain decoding's steps ~2% faster. */
+typedef struct { __m512 p[4][8]; } sf_group;  /* per level and row of x: the partial result waiting for its pair */
+
+static inline __m512 sf_pair(__m512 a, __m512 b) {  /* lanes i + i + 8: [a q0+q2, a q1+q3, b q0+q2, b q1+q3] */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+}
+
+/* output g0 + j's fp32 lanes v[r] for the rows r < rows of x (paired: v[r] already holds outputs j - 1 and
+   j paired by sf_pair, as two outputs computed together give them); at j == 15 the group's cnt outputs
+   are stored: y[r, g0 + j] = to_bf16(total + bias[g0 + j]) (+ 0 without a bias, as before) */
+static inline void sf_take(sf_group *st, __m512 *v, int rows, int j, int cnt, const uint16_t *bias, uint16_t *y,
+                           int out, int g0, int paired) {
+    /* a: the earlier partial, v[r] the later; q: 128-bit quarters */
+    if (!paired) {
+        if (!(j & 1)) { for (int r = 0; r < rows; r++) st->p[0][r] = v[r]; return; }
+        for (int r = 0; r < rows; r++) v[r] = sf_pair(st->p[0][r], v[r]);
+    }
+    if (!(j & 2)) { for (int r = 0; r < rows; r++) st->p[1][r] = v[r]; return; }
+    for (int r = 0; r < rows; r++) {  /* + lanes i + 4: quarter k holds output 4 (j / 4) + k's four partial sums */
+        __m512 a = st->p[1][r];
+        v[r] = _mm512_add_ps(_mm512_shuffle_f32x4(a, v[r], 0x88), _mm512_shuffle_f32x4(a, v[r], 0xdd));
+    }
+    if (!(j & 4)) { for (int r = 0; r < rows; r++) st->p[2][r] = v[r]; return; }
+    for (int r = 0; r < rows; r++) {  /* + lanes i + 2, within each quarter */
+        __m512 a = st->p[2][r];
+        v[r] = _mm512_add_ps(_mm512_shuffle_ps(a, v[r], 0x44), _mm512_shuffle_ps(a, v[r], 0xee));
+    }
+    if (!(j & 8)) { for (int r = 0; r < rows; r++) st->p[3][r] = v[r]; return; }
+    __mmask16 m = (__mmask16)((1u << cnt) - 1);
+    __m512 bv = _mm512_setzero_ps();
+    if (bias) bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + g0)), 16));
+    for (int r = 0; r < rows; r++) {  /* + lanes i + 1: lane 4k + m holds output 4m + k's total, put back in order */
+        __m512 a = st->p[3][r];
+        __m512 t = _mm512_add_ps(_mm512_shuffle_ps(a, v[r], 0x88), _mm512_shuffle_ps(a, v[r], 0xdd));
+        t = _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), t);
+        _mm256_mask_storeu_epi16(y + (int64_t)r * out + g0, m, bf16x16(_mm512_add_ps(t, bv)));
+    }
+}
+
+/* a group of cnt < 16 outputs (a matrix's last): zeros in its empty places, then it is stored */
+static inline void sf_finish(sf_group *st, int rows, int cnt, const uint16_t *bias, uint16_t *y, int out, int g0) {
+    __m512 z[8];
+    for (int j = cnt; j < 16; j++) {
+        for (int r = 0; r < 8; r++) z[r] = _mm512_setzero_ps();
+        sf_take(st, z, rows, j, cnt, bias, y, out, g0, 0);
+    }
+}
 
 /* N rows of x against one weight row at a time (N a literal constant in each instance: fixed-size
    arrays, loops of constant bounds, so the loops unroll and the sums stay in registers). Two sums
    per row (even and odd blocks of 32 inputs: two independent chains hide the instruction's
-   latency), added at the end: the same order for every N. Several weight rows per pass measured
-   slower (1.2-2.6x at 1-4 rows), except two at 4-5 rows (ROWS2 below). */
+   latency), added at the end and handed to sf_take: the same order for every N. Several weight rows
+   per pass measured slower (1.2-2.6x at 1-4 rows), except two at 4-5 rows (ROWS2 below). */
 #define ROWS(N)                                                                                      \
 static void rows##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int in, \
-                    int out, int o0, int o1, int pf) {                                              \
-    int tail = in % 32, body = in - tail;                                                          \
-    __mmask32 m = (__mmask32)((1ull << tail) - 1);                                                  \
-    for (int o = o0; o < o1; o++) {                                                                \
-        const uint16_t *wr = w + (int64_t)o * in;                                                  \
-        __m512 a0[N], a1[N];                                                                       \
-        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                      \
-            a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps();                              \
-        }                                                                                          \
-        int i = 0;                                                                                 \
-        for (; i + 64 <= body; i += 64) {                                                          \
-            if (pf) {                                                                              \
-                _mm_prefetch((const char *)(wr + i + pf), SF_PF_HINT);                          \
-                _mm_prefetch((const char *)(wr + i + pf + 32), SF_PF_HINT);                     \
-            }                                                                                      \
-            __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + i);                                   \
-            __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + i + 32);                              \
-            /* kept in registers: without this GCC reloads the weights once per row of x */          \
-            __asm__("" : "+v"(w0), "+v"(w1));                                                      \
-            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                  \
-                a0[r] = _mm512_dpbf16_ps(a0[r], w0, (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i)); \
-                a1[r] = _mm512_dpbf16_ps(a1[r], w1, (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i + 32)); \
-            }                                                                                      \
-        }                                                                                          \
-        if (i < body) { /* one more full block of 32 */                                           \
-            __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + i);                                   \
-            __asm__("" : "+v"(w0));                                                                \
-            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++)                                    \
-                a0[r] = _mm512_dpbf16_ps(a0[r], w0, (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i)); \
-            i += 32;                                                                               \
-        }                                                                                          \
-        if (tail) { /* the last in % 32 inputs: masked loads, zeros elsewhere */                   \
-            __m512bh w1 = (__m512bh)_mm512_maskz_loadu_epi16(m, wr + i);                          \
-            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++)                                    \
-                a1[r] = _mm512_dpbf16_ps(a1[r], w1, (__m512bh)_mm512_maskz_loadu_epi16(m, x + (int64_t)r * in + i)); \
-        }                                                                                          \
-        float bv = bias ? from_bf16(bias[o]) : 0.0f;                                               \
-        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++)                                        \
-            y[(int64_t)r * out + o] = to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r])) + bv); \
-    }                                                                                              \
+                    int out, int o0, int o1, int pf) {                                               \
+    int tail = in % 32, body = in - tail;                                                            \
+    __mmask32 m = (__mmask32)((1ull << tail) - 1);                                                   \
+    sf_group st;  /* a group's partial sums (sf_take) */                                             \
+    for (int g0 = o0; g0 < o1; g0 += 16) {                                                           \
+        int g1 = g0 + 16 < o1 ? g0 + 16 : o1;                                                        \
+        for (int o = g0; o < g1; o++) {                                                              \
+            const uint16_t *wr = w + (int64_t)o * in;                                                \
+            __m512 a0[N], a1[N];                                                                     \
+            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                    \
+                a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps();                            \
+            }                                                                                        \
+            int i = 0;                                                                               \
+            for (; i + 64 <= body; i += 64) {                                                        \
+                if (pf) {                                                                            \
+                    _mm_prefetch((const char *)(wr + i + pf), SF_PF_HINT);                           \
+                    _mm_prefetch((const char *)(wr + i + pf + 32), SF_PF_HINT);                      \
+                }                                                                                    \
+                __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + i);                                  \
+                __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + i + 32);                             \
+                /* kept in registers: without this GCC reloads the weights once per row of x */      \
+                __asm__("" : "+v"(w0), "+v"(w1));                                                    \
+                _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                \
+                    a0[r] = _mm512_dpbf16_ps(a0[r], w0, (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i)); \
+                    a1[r] = _mm512_dpbf16_ps(a1[r], w1, (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i + 32)); \
+                }                                                                                    \
+            }                                                                                        \
+            if (i < body) { /* one more full block of 32 */                                          \
+                __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + i);                                  \
+                __asm__("" : "+v"(w0));                                                              \
+                _Pragma("GCC unroll 8") for (int r = 0; r < N; r++)                                  \
+                    a0[r] = _mm512_dpbf16_ps(a0[r], w0, (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i)); \
+                i += 32;                                                                             \
+            }                                                                                        \
+            if (tail) { /* the last in % 32 inputs: masked loads, zeros elsewhere */                 \
+                __m512bh w1 = (__m512bh)_mm512_maskz_loadu_epi16(m, wr + i);                         \
+                _Pragma("GCC unroll 8") for (int r = 0; r < N; r++)                                  \
+                    a1[r] = _mm512_dpbf16_ps(a1[r], w1, (__m512bh)_mm512_maskz_loadu_epi16(m, x + (int64_t)r * in + i)); \
+            }                                                                                        \
+            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) a0[r] = _mm512_add_ps(a0[r], a1[r]);  \
+            sf_take(&st, a0, N, o - g0, g1 - g0, bias, y, out, g0, 0);                                \
+        }                                                                                            \
+        if (g1 - g0 < 16) sf_finish(&st, N, g1 - g0, bias, y, out, g0);                              \
+    }                                                                                                \
 }
 ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 
 /* 4-5 rows of x: two weight rows per pass, each x vector loaded once for both (at 4-5 rows one weight
    row per pass is bound by its instructions, 10 vdpbf16ps + 10 loads per 128 weight bytes: SmolLM2's
    matrices 5-6% faster at 2 threads, ~3% at 1; 2-3 rows gain nothing, 6 lose 2.5% (spills), twenty-
-   eighth session). Per output the same sums in the same order as ROWS(N): the same bits. */
+   eighth session). Per output the same sums in the same order as ROWS(N): the same bits. The x vectors
+   are pinned in registers: left to itself GCC loaded each twice (once per weight row) once sf_take
+   was inlined, 24 loads per 20 products where 14 suffice (4-5 rows in L3 5% slower than before it). */
 #define ROWS2(N)                                                                                     \
 static void rows2w##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int in, \
-                    int out, int o0, int o1, int pf) {                                              \
-    int tail = in % 32, body = in - tail;                                                          \
-    __mmask32 m = (__mmask32)((1ull << tail) - 1);                                                  \
-    int o = o0;                                                                                    \
-    for (; o + 1 < o1; o += 2) {                                                                   \
-        const uint16_t *wa = w + (int64_t)o * in, *wb2 = wa + in;                                  \
-        __m512 a0[N], a1[N], b0[N], b1[N];                                                         \
-        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                      \
-            a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); b0[r] = _mm512_setzero_ps(); b1[r] = _mm512_setzero_ps(); \
-        }                                                                                          \
-        int i = 0;                                                                                 \
-        for (; i + 64 <= body; i += 64) {                                                          \
-            if (pf) {                                                                              \
-                _mm_prefetch((const char *)(wa + i + pf), SF_PF_HINT);                          \
-                _mm_prefetch((const char *)(wa + i + pf + 32), SF_PF_HINT);                     \
-                _mm_prefetch((const char *)(wb2 + i + pf), SF_PF_HINT);                         \
-                _mm_prefetch((const char *)(wb2 + i + pf + 32), SF_PF_HINT);                    \
-            }                                                                                      \
-            __m512bh wa0 = (__m512bh)_mm512_loadu_si512(wa + i), wa1 = (__m512bh)_mm512_loadu_si512(wa + i + 32); \
-            __m512bh wb0 = (__m512bh)_mm512_loadu_si512(wb2 + i), wb1 = (__m512bh)_mm512_loadu_si512(wb2 + i + 32); \
-            __asm__("" : "+v"(wa0), "+v"(wa1), "+v"(wb0), "+v"(wb1));                              \
-            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                  \
-                __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i);               \
-                __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i + 32);          \
-                a0[r] = _mm512_dpbf16_ps(a0[r], wa0, x0); a1[r] = _mm512_dpbf16_ps(a1[r], wa1, x1); \
-                b0[r] = _mm512_dpbf16_ps(b0[r], wb0, x0); b1[r] = _mm512_dpbf16_ps(b1[r], wb1, x1); \
-            }                                                                                      \
-        }                                                                                          \
-        if (i < body) {                                                                            \
-            __m512bh wa0 = (__m512bh)_mm512_loadu_si512(wa + i), wb0 = (__m512bh)_mm512_loadu_si512(wb2 + i); \
-            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                  \
-                __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i);               \
-                a0[r] = _mm512_dpbf16_ps(a0[r], wa0, x0); b0[r] = _mm512_dpbf16_ps(b0[r], wb0, x0); \
-            }                                                                                      \
-            i += 32;                                                                               \
-        }                                                                                          \
-        if (tail) {                                                                                \
-            __m512bh wa1 = (__m512bh)_mm512_maskz_loadu_epi16(m, wa + i), wb1 = (__m512bh)_mm512_maskz_loadu_epi16(m, wb2 + i); \
-            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                  \
-                __m512bh x1 = (__m512bh)_mm512_maskz_loadu_epi16(m, x + (int64_t)r * in + i);     \
-                a1[r] = _mm512_dpbf16_ps(a1[r], wa1, x1); b1[r] = _mm512_dpbf16_ps(b1[r], wb1, x1); \
-            }                                                                                      \
-        }                                                                                          \
-        float bva = bias ? from_bf16(bias[o]) : 0.0f, bvb = bias ? from_bf16(bias[o + 1]) : 0.0f;   \
-        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                      \
-            y[(int64_t)r * out + o] = to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r])) + bva); \
-            y[(int64_t)r * out + o + 1] = to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(b0[r], b1[r])) + bvb); \
-        }                                                                                          \
-    }                                                                                              \
-    if (o < o1) rows##N(x, w, bias, y, in, out, o, o1, pf);                                        \
+                    int out, int o0, int o1, int pf) {                                               \
+    int tail = in % 32, body = in - tail;                                                            \
+    __mmask32 m = (__mmask32)((1ull << tail) - 1);                                                   \
+    sf_group st;  /* a group's partial sums (sf_take) */                                             \
+    for (int g0 = o0; g0 < o1; g0 += 16) {                                                           \
+        /* pairs of outputs up to ge; an odd last one (the matrix's last) as rows##N has it */       \
+        int g1 = g0 + 16 < o1 ? g0 + 16 : o1, ge = g0 + (g1 - g0) / 2 * 2;                           \
+        for (int o = g0; o < ge; o += 2) {                                                           \
+            const uint16_t *wa = w + (int64_t)o * in, *wb2 = wa + in;                                \
+            __m512 a0[N], a1[N], b0[N], b1[N];                                                       \
+            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                    \
+                a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); b0[r] = _mm512_setzero_ps(); b1[r] = _mm512_setzero_ps(); \
+            }                                                                                        \
+            int i = 0;                                                                               \
+            for (; i + 64 <= body; i += 64) {                                                        \
+                if (pf) {                                                                            \
+                    _mm_prefetch((const char *)(wa + i + pf), SF_PF_HINT);                           \
+                    _mm_prefetch((const char *)(wa + i + pf + 32), SF_PF_HINT);                      \
+                    _mm_prefetch((const char *)(wb2 + i + pf), SF_PF_HINT);                          \
+                    _mm_prefetch((const char *)(wb2 + i + pf + 32), SF_PF_HINT);                     \
+                }                                                                                    \
+                __m512bh wa0 = (__m512bh)_mm512_loadu_si512(wa + i), wa1 = (__m512bh)_mm512_loadu_si512(wa + i + 32); \
+                __m512bh wb0 = (__m512bh)_mm512_loadu_si512(wb2 + i), wb1 = (__m512bh)_mm512_loadu_si512(wb2 + i + 32); \
+                __asm__("" : "+v"(wa0), "+v"(wa1), "+v"(wb0), "+v"(wb1));                            \
+                _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                \
+                    __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i);             \
+                    __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i + 32);        \
+                    __asm__("" : "+v"(x0), "+v"(x1));  /* loaded once for both weight rows */         \
+                    a0[r] = _mm512_dpbf16_ps(a0[r], wa0, x0); a1[r] = _mm512_dpbf16_ps(a1[r], wa1, x1); \
+                    b0[r] = _mm512_dpbf16_ps(b0[r], wb0, x0); b1[r] = _mm512_dpbf16_ps(b1[r], wb1, x1); \
+                }                                                                                    \
+            }                                                                                        \
+            if (i < body) {                                                                          \
+                __m512bh wa0 = (__m512bh)_mm512_loadu_si512(wa + i), wb0 = (__m512bh)_mm512_loadu_si512(wb2 + i); \
+                _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                \
+                    __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i);             \
+                    a0[r] = _mm512_dpbf16_ps(a0[r], wa0, x0); b0[r] = _mm512_dpbf16_ps(b0[r], wb0, x0); \
+                }                                                                                    \
+                i += 32;                                                                             \
+            }                                                                                        \
+            if (tail) {                                                                              \
+                __m512bh wa1 = (__m512bh)_mm512_maskz_loadu_epi16(m, wa + i), wb1 = (__m512bh)_mm512_maskz_loadu_epi16(m, wb2 + i); \
+                _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                \
+                    __m512bh x1 = (__m512bh)_mm512_maskz_loadu_epi16(m, x + (int64_t)r * in + i);    \
+                    a1[r] = _mm512_dpbf16_ps(a1[r], wa1, x1); b1[r] = _mm512_dpbf16_ps(b1[r], wb1, x1); \
+                }                                                                                    \
+            }                                                                                        \
+            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                    \
+                a0[r] = sf_pair(_mm512_add_ps(a0[r], a1[r]), _mm512_add_ps(b0[r], b1[r]));          \
+            }                                                                                        \
+            sf_take(&st, a0, N, o + 1 - g0, ge - g0, bias, y, out, g0, 1);                           \
+        }                                                                                            \
+        if (ge > g0 && ge - g0 < 16) sf_finish(&st, N, ge - g0, bias, y, out, g0);                   \
+        if (ge < g1) rows##N(x, w, bias, y, in, out, ge, g1, pf);                                    \
+    }                                                                                                \
 }
 ROWS2(4) ROWS2(5)
 
@@ -269,64 +347,68 @@ static const rows_fn ROWS_FN[9] = {0, rows1, rows2, rows3, rows2w4, rows2w5, row
    path's time with it, ~1.0x without (the vdpbf16ps path with the same L1 prefetch: 1.02-1.14x). */
 #define SF_PF_L1 512
 #define ROWSF(N)                                                                                     \
-static void rowsf##N(const float *xs, int inp, const uint16_t *w, const uint16_t *bias, uint16_t *y,   \
-                     int in, int out, int o0, int o1, int pf) {                                     \
-    int tail = in % 32, body = in - tail;                                                          \
-    __mmask32 m = (__mmask32)((1ull << tail) - 1);                                                  \
-    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);                                        \
-    for (int o = o0; o < o1; o++) {                                                                \
-        const uint16_t *wr = w + (int64_t)o * in;                                                  \
-        __m512 a0[N], a1[N];                                                                       \
-        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                      \
-            a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps();                              \
-        }                                                                                          \
-        int i = 0;                                                                                 \
-        for (; i + 64 <= body; i += 64) {                                                          \
-            if (pf) {                                                                              \
-                _mm_prefetch((const char *)(wr + i + pf), SF_PF_HINT);                          \
-                _mm_prefetch((const char *)(wr + i + pf + 32), SF_PF_HINT);                     \
-                _mm_prefetch((const char *)(wr + i + SF_PF_L1), _MM_HINT_T0);                    \
-                _mm_prefetch((const char *)(wr + i + SF_PF_L1 + 32), _MM_HINT_T0);               \
-            }                                                                                      \
-            __m512i w0 = _mm512_loadu_si512(wr + i), w1 = _mm512_loadu_si512(wr + i + 32);        \
-            __m512 w0o = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));                            \
-            __m512 w0e = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));                           \
-            __m512 w1o = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));                            \
-            __m512 w1e = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));                           \
-            __asm__("" : "+v"(w0o), "+v"(w0e), "+v"(w1o), "+v"(w1e));                              \
-            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                  \
-                const float *xr = xs + (int64_t)r * inp + i;                                       \
-                a0[r] = _mm512_fmadd_ps(w0o, _mm512_load_ps(xr), a0[r]);                           \
-                a1[r] = _mm512_fmadd_ps(w1o, _mm512_load_ps(xr + 32), a1[r]);                      \
-                a0[r] = _mm512_fmadd_ps(w0e, _mm512_load_ps(xr + 16), a0[r]);                      \
-                a1[r] = _mm512_fmadd_ps(w1e, _mm512_load_ps(xr + 48), a1[r]);                      \
-            }                                                                                      \
-        }                                                                                          \
-        if (i < body) {                                                                            \
-            __m512i w0 = _mm512_loadu_si512(wr + i);                                               \
-            __m512 w0o = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));                            \
-            __m512 w0e = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));                           \
-            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                  \
-                const float *xr = xs + (int64_t)r * inp + i;                                       \
-                a0[r] = _mm512_fmadd_ps(w0o, _mm512_load_ps(xr), a0[r]);                           \
-                a0[r] = _mm512_fmadd_ps(w0e, _mm512_load_ps(xr + 16), a0[r]);                      \
-            }                                                                                      \
-            i += 32;                                                                               \
-        }                                                                                          \
-        if (tail) {                                                                                \
-            __m512i w1 = _mm512_maskz_loadu_epi16(m, wr + i);                                      \
-            __m512 w1o = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));                            \
-            __m512 w1e = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));                           \
-            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                  \
-                const float *xr = xs + (int64_t)r * inp + i;                                       \
-                a1[r] = _mm512_fmadd_ps(w1o, _mm512_load_ps(xr), a1[r]);                           \
-                a1[r] = _mm512_fmadd_ps(w1e, _mm512_load_ps(xr + 16), a1[r]);                      \
-            }                                                                                      \
-        }                                                                                          \
-        float bv = bias ? from_bf16(bias[o]) : 0.0f;                                               \
-        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++)                                        \
-            y[(int64_t)r * out + o] = to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r])) + bv); \
-    }                                                                                              \
+static void rowsf##N(const float *xs, int inp, const uint16_t *w, const uint16_t *bias, uint16_t *y, \
+                     int in, int out, int o0, int o1, int pf) {                                      \
+    int tail = in % 32, body = in - tail;                                                            \
+    __mmask32 m = (__mmask32)((1ull << tail) - 1);                                                   \
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);                                          \
+    sf_group st;  /* a group's partial sums (sf_take) */                                             \
+    for (int g0 = o0; g0 < o1; g0 += 16) {                                                           \
+        int g1 = g0 + 16 < o1 ? g0 + 16 : o1;                                                        \
+        for (int o = g0; o < g1; o++) {                                                              \
+            const uint16_t *wr = w + (int64_t)o * in;                                                \
+            __m512 a0[N], a1[N];                                                                     \
+            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                    \
+                a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps();                            \
+            }                                                                                        \
+            int i = 0;                                                                               \
+            for (; i + 64 <= body; i += 64) {                                                        \
+                if (pf) {                                                                            \
+                    _mm_prefetch((const char *)(wr + i + pf), SF_PF_HINT);                           \
+                    _mm_prefetch((const char *)(wr + i + pf + 32), SF_PF_HINT);                      \
+                    _mm_prefetch((const char *)(wr + i + SF_PF_L1), _MM_HINT_T0);                    \
+                    _mm_prefetch((const char *)(wr + i + SF_PF_L1 + 32), _MM_HINT_T0);               \
+                }                                                                                    \
+                __m512i w0 = _mm512_loadu_si512(wr + i), w1 = _mm512_loadu_si512(wr + i + 32);       \
+                __m512 w0o = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));                          \
+                __m512 w0e = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));                         \
+                __m512 w1o = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));                          \
+                __m512 w1e = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));                         \
+                __asm__("" : "+v"(w0o), "+v"(w0e), "+v"(w1o), "+v"(w1e));                            \
+                _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                \
+                    const float *xr = xs + (int64_t)r * inp + i;                                     \
+                    a0[r] = _mm512_fmadd_ps(w0o, _mm512_load_ps(xr), a0[r]);                         \
+                    a1[r] = _mm512_fmadd_ps(w1o, _mm512_load_ps(xr + 32), a1[r]);                    \
+                    a0[r] = _mm512_fmadd_ps(w0e, _mm512_load_ps(xr + 16), a0[r]);                    \
+                    a1[r] = _mm512_fmadd_ps(w1e, _mm512_load_ps(xr + 48), a1[r]);                    \
+                }                                                                                    \
+            }                                                                                        \
+            if (i < body) {                                                                          \
+                __m512i w0 = _mm512_loadu_si512(wr + i);                                             \
+                __m512 w0o = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));                          \
+                __m512 w0e = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));                         \
+                _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                \
+                    const float *xr = xs + (int64_t)r * inp + i;                                     \
+                    a0[r] = _mm512_fmadd_ps(w0o, _mm512_load_ps(xr), a0[r]);                         \
+                    a0[r] = _mm512_fmadd_ps(w0e, _mm512_load_ps(xr + 16), a0[r]);                    \
+                }                                                                                    \
+                i += 32;                                                                             \
+            }                                                                                        \
+            if (tail) {                                                                              \
+                __m512i w1 = _mm512_maskz_loadu_epi16(m, wr + i);                                    \
+                __m512 w1o = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));                          \
+                __m512 w1e = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));                         \
+                _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                \
+                    const float *xr = xs + (int64_t)r * inp + i;                                     \
+                    a1[r] = _mm512_fmadd_ps(w1o, _mm512_load_ps(xr), a1[r]);                         \
+                    a1[r] = _mm512_fmadd_ps(w1e, _mm512_load_ps(xr + 16), a1[r]);                    \
+                }                                                                                    \
+            }                                                                                        \
+            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) a0[r] = _mm512_add_ps(a0[r], a1[r]);  \
+            sf_take(&st, a0, N, o - g0, g1 - g0, bias, y, out, g0, 0);                                \
+        }                                                                                            \
+        if (g1 - g0 < 16) sf_finish(&st, N, g1 - g0, bias, y, out, g0);                              \
+    }                                                                                                \
 }
 ROWSF(1) ROWSF(2) ROWSF(3) ROWSF(4) ROWSF(5) ROWSF(6) ROWSF(7) ROWSF(8)
 typedef void (*rowsf_fn)(const float *, int, const uint16_t *, const uint16_t *, uint16_t *, int, int, int, int, int);
@@ -535,17 +617,6 @@ _SOURCE_AMX = r"""
 long sf_amx_permit(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */); }
 
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } sf_tilecfg;
-
-/* to_bf16 of 16 lanes (round to nearest even; infinities and NaNs as to_bf16 has them) */
-static inline __m256i bf16x16(__m512 f) {
-    __m512i u = _mm512_castps_si512(f), ex = _mm512_set1_epi32(0x7f800000);
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                  _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))), 16);
-    __mmask16 special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, ex), ex);
-    __m512i s = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_maskz_mov_epi32(
-        _mm512_test_epi32_mask(u, _mm512_set1_epi32(0xffff)), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, special, s));
-}
 
 /* one group of rows of x (A tile A, configured for its row count) times a block pair's B tiles (2, 3) into
    the C tiles C0 and C1, then stored to cb: a macro because the tile intrinsics take their tile numbers as

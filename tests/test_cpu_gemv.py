@@ -167,6 +167,49 @@ def _assert_rows_independent(product, x: torch.Tensor, sizes: tuple[int, ...]) -
 
 
 @needs_bf16
+@pytest.mark.parametrize("shape", [(37, 144), (131, 96), (40, 100), (17, 1536), (50, 64)])
+def test_gemv_bf16_sums_in_its_documented_order(shape, bf16_path):
+    # every output's sum order, rebuilt step by step in fp32: a verification's rows give a plain step's
+    # bits only while every product keeps this order (the 16-output reduction included: sf_take)
+    g = torch.Generator().manual_seed(shape[1])
+    w = torch.randn(*shape, generator=g).bfloat16()
+    b = torch.randn(shape[0], generator=g).bfloat16()
+    x = torch.randn(9, shape[1], generator=g).bfloat16()
+    if shape == (37, 144):  # with random data the order hardly shows at bf16 resolution: outputs where it does
+        x[0], big = 1.0, 2.0 ** 24  # (2^24 + 1 rounds to 2^24; 1 - 2^24 is exact)
+        w[:4] = 0
+        w[0, [1, 17, 9, 25]] = torch.tensor([big, 1.0, -big, 1.0]).bfloat16()  # lanes 0, 8, 4, 12: pairs i, i + 8 first
+        w[1, [1, 64, 65]] = torch.tensor([big, -big, 1.0]).bfloat16()  # a lane adds its odd product, then its even one
+        w[2, [1, 33, 65, 97]] = torch.tensor([big, 1.0, -big, 1.0]).bfloat16()  # blocks alternate between two sums
+        w[3, [1, 33, 129]] = torch.tensor([-big, big, 1.0]).bfloat16()  # the partial last block joins the second
+    for n in (1, 2, 3, 4, 5, 8, 9):  # 4-5: two weight rows per pass; 9: a pass of 8 and one of 1
+        for bias in (b, None):
+            got = cpu_gemv.gemv_bf16(x[:n], w, bias)
+            assert torch.equal(got.view(torch.int16), _bf16_sum_order(x[:n], w, bias).view(torch.int16)), (n, bias is None)
+
+
+def _bf16_sum_order(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's arithmetic in fp32 steps (inputs without denormals, so DAZ/FTZ never shows): 16 lanes per
+    output, lane l taking inputs 2l and 2l + 1 of each block of 32 (its odd product added first); full blocks
+    alternate between two sums (even blocks, odd ones), a last partial block goes to the second; the two
+    sums added, the lanes reduced in pairs (i + 8, i + 4, i + 2, i + 1), the bias added, rounded to bf16."""
+    n, inp = x.shape
+    full, nb = inp // 32, -(-inp // 32)
+    xs = F.pad(x.float(), (0, nb * 32 - inp)).view(n, 1, nb, 16, 2)
+    ws = F.pad(w.float(), (0, nb * 32 - inp)).view(1, -1, nb, 16, 2)
+    prod = xs * ws  # exact: bf16 products fit fp32
+    sums = torch.zeros(2, n, w.shape[0], 16)
+    for blk in range(nb):
+        k = blk % 2 if blk < full else 1
+        sums[k] = (sums[k] + prod[:, :, blk, :, 1]) + prod[:, :, blk, :, 0]
+    s = sums[0] + sums[1]
+    for half in (8, 4, 2, 1):
+        s = s[..., :half] + s[..., half:2 * half]
+    total = s[..., 0] + (bias.float() if bias is not None else 0.0)
+    return total.bfloat16()
+
+
+@needs_bf16
 @pytest.mark.skipif(not cpu_gemv.fma_exact(), reason="the FMA path does not give vdpbf16ps's bits on this CPU")
 @pytest.mark.parametrize("shape", [(72, 40), (131, 96), (33, 34), (7, 1536), (40, 576)])
 def test_the_fma_path_gives_vdpbf16ps_bits(shape):
