@@ -159,10 +159,9 @@ static inline __m256i bf16x16(__m512 f) {
    reduction of 8 instructions and a scalar rounding and store. The same pairs of the same values are
    added (fp32 addition commutes), so every output keeps its bits. It runs as the outputs finish
    (sf_take: output j of a group pairs with j - 1 when j is odd, that pair with the one before when
-   j % 4 == 3, ...), spread over the group. Measured on a 2-core Zen 4 (fifty-third session), matrices
-   held in L2 / L3 (where the products are bound by their instructions): 4-5 rows of x 1.09-1.18x faster,
-   3 rows 1.03-1.05x, 8 rows 1.01-1.08x, 1-2 rows within 3%; weights streamed from memory: within the
-   noise, plain decoding's steps ~2% faster. */
+   j % 4 == 3, ...), spread over the group. Measured on a 2-core Zen 4 (fifty-third session, whole
+   generations in one process): plain decoding's steps (one row of x) 1.03-1.04x faster at 1 and 2
+   threads, the default head's verification steps (4-6 rows) 1.00-1.04x. */
 typedef struct { __m512 p[4][8]; } sf_group;  /* per level and row of x: the partial result waiting for its pair */
 
 static inline __m512 sf_pair(__m512 a, __m512 b) {  /* lanes i + i + 8: [a q0+q2, a q1+q3, b q0+q2, b q1+q3] */
@@ -267,9 +266,10 @@ ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 /* 4-5 rows of x: two weight rows per pass, each x vector loaded once for both (at 4-5 rows one weight
    row per pass is bound by its instructions, 10 vdpbf16ps + 10 loads per 128 weight bytes: SmolLM2's
    matrices 5-6% faster at 2 threads, ~3% at 1; 2-3 rows gain nothing, 6 lose 2.5% (spills), twenty-
-   eighth session). Per output the same sums in the same order as ROWS(N): the same bits. The x vectors
-   are pinned in registers: left to itself GCC loaded each twice (once per weight row) once sf_take
-   was inlined, 24 loads per 20 products where 14 suffice (4-5 rows in L3 5% slower than before it). */
+   eighth session). Per output the same sums in the same order as ROWS(N): the same bits. (GCC loads
+   each x vector twice here, once per weight row: pinning them in registers made 4-5 rows 9-18% faster
+   from L2 / L3 but 7-10% slower streamed from memory at 1 thread, a verification's case; fifty-third
+   session.) */
 #define ROWS2(N)                                                                                     \
 static void rows2w##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int in, \
                     int out, int o0, int o1, int pf) {                                               \
@@ -299,7 +299,6 @@ static void rows2w##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias
                 _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                \
                     __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i);             \
                     __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i + 32);        \
-                    __asm__("" : "+v"(x0), "+v"(x1));  /* loaded once for both weight rows */         \
                     a0[r] = _mm512_dpbf16_ps(a0[r], wa0, x0); a1[r] = _mm512_dpbf16_ps(a1[r], wa1, x1); \
                     b0[r] = _mm512_dpbf16_ps(b0[r], wb0, x0); b1[r] = _mm512_dpbf16_ps(b1[r], wb1, x1); \
                 }                                                                                    \
