@@ -164,19 +164,15 @@ static inline __m256i bf16x16(__m512 f) {
    threads, the default head's verification steps (4-6 rows) 1.00-1.04x. */
 typedef struct { __m512 p[4][8]; } sf_group;  /* per level and row of x: the partial result waiting for its pair */
 
-static inline __m512 sf_pair(__m512 a, __m512 b) {  /* lanes i + i + 8: [a q0+q2, a q1+q3, b q0+q2, b q1+q3] */
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
-}
-
-/* output g0 + j's fp32 lanes v[r] for the rows r < rows of x (paired: v[r] already holds outputs j - 1 and
-   j paired by sf_pair, as two outputs computed together give them); at j == 15 the group's cnt outputs
-   are stored: y[r, g0 + j] = to_bf16(total + bias[g0 + j]) (+ 0 without a bias, as before) */
+/* output g0 + j's fp32 lanes v[r] for the rows r < rows of x; at j == 15 the group's cnt outputs are
+   stored: y[r, g0 + j] = to_bf16(total + bias[g0 + j]) (+ 0 without a bias, as before) */
 static inline void sf_take(sf_group *st, __m512 *v, int rows, int j, int cnt, const uint16_t *bias, uint16_t *y,
-                           int out, int g0, int paired) {
+                           int out, int g0) {
     /* a: the earlier partial, v[r] the later; q: 128-bit quarters */
-    if (!paired) {
-        if (!(j & 1)) { for (int r = 0; r < rows; r++) st->p[0][r] = v[r]; return; }
-        for (int r = 0; r < rows; r++) v[r] = sf_pair(st->p[0][r], v[r]);
+    if (!(j & 1)) { for (int r = 0; r < rows; r++) st->p[0][r] = v[r]; return; }
+    for (int r = 0; r < rows; r++) {  /* lanes i + i + 8: [a q0+q2, a q1+q3, v q0+q2, v q1+q3] */
+        __m512 a = st->p[0][r];
+        v[r] = _mm512_add_ps(_mm512_shuffle_f32x4(a, v[r], 0x44), _mm512_shuffle_f32x4(a, v[r], 0xee));
     }
     if (!(j & 2)) { for (int r = 0; r < rows; r++) st->p[1][r] = v[r]; return; }
     for (int r = 0; r < rows; r++) {  /* + lanes i + 4: quarter k holds output 4 (j / 4) + k's four partial sums */
@@ -205,7 +201,7 @@ static inline void sf_finish(sf_group *st, int rows, int cnt, const uint16_t *bi
     __m512 z[8];
     for (int j = cnt; j < 16; j++) {
         for (int r = 0; r < 8; r++) z[r] = _mm512_setzero_ps();
-        sf_take(st, z, rows, j, cnt, bias, y, out, g0, 0);
+        sf_take(st, z, rows, j, cnt, bias, y, out, g0);
     }
 }
 
@@ -213,7 +209,10 @@ static inline void sf_finish(sf_group *st, int rows, int cnt, const uint16_t *bi
    arrays, loops of constant bounds, so the loops unroll and the sums stay in registers). Two sums
    per row (even and odd blocks of 32 inputs: two independent chains hide the instruction's
    latency), added at the end and handed to sf_take: the same order for every N. Several weight rows
-   per pass measured slower (1.2-2.6x at 1-4 rows), except two at 4-5 rows (ROWS2 below). */
+   per pass measured slower (1.2-2.6x at 1-4 rows); two at 4-5 rows were 3-6% faster while each output
+   was reduced alone (twenty-eighth session), 3-6% slower once sf_take reduced 16 together (an engine
+   step of 4 rows, weights streamed, 1 and 2 threads; whole generations: the default head's
+   verification steps 1.03-1.04x faster without them, fifty-third session). */
 #define ROWS(N)                                                                                      \
 static void rows##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int in, \
                     int out, int o0, int o1, int pf) {                                               \
@@ -256,81 +255,15 @@ static void rows##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
                     a1[r] = _mm512_dpbf16_ps(a1[r], w1, (__m512bh)_mm512_maskz_loadu_epi16(m, x + (int64_t)r * in + i)); \
             }                                                                                        \
             _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) a0[r] = _mm512_add_ps(a0[r], a1[r]);  \
-            sf_take(&st, a0, N, o - g0, g1 - g0, bias, y, out, g0, 0);                                \
+            sf_take(&st, a0, N, o - g0, g1 - g0, bias, y, out, g0);                                   \
         }                                                                                            \
         if (g1 - g0 < 16) sf_finish(&st, N, g1 - g0, bias, y, out, g0);                              \
     }                                                                                                \
 }
 ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 
-/* 4-5 rows of x: two weight rows per pass, each x vector loaded once for both (at 4-5 rows one weight
-   row per pass is bound by its instructions, 10 vdpbf16ps + 10 loads per 128 weight bytes: SmolLM2's
-   matrices 5-6% faster at 2 threads, ~3% at 1; 2-3 rows gain nothing, 6 lose 2.5% (spills), twenty-
-   eighth session). Per output the same sums in the same order as ROWS(N): the same bits. (GCC loads
-   each x vector twice here, once per weight row: pinning them in registers made 4-5 rows 9-18% faster
-   from L2 / L3 but 7-10% slower streamed from memory at 1 thread, a verification's case; fifty-third
-   session.) */
-#define ROWS2(N)                                                                                     \
-static void rows2w##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int in, \
-                    int out, int o0, int o1, int pf) {                                               \
-    int tail = in % 32, body = in - tail;                                                            \
-    __mmask32 m = (__mmask32)((1ull << tail) - 1);                                                   \
-    sf_group st;  /* a group's partial sums (sf_take) */                                             \
-    for (int g0 = o0; g0 < o1; g0 += 16) {                                                           \
-        /* pairs of outputs up to ge; an odd last one (the matrix's last) as rows##N has it */       \
-        int g1 = g0 + 16 < o1 ? g0 + 16 : o1, ge = g0 + (g1 - g0) / 2 * 2;                           \
-        for (int o = g0; o < ge; o += 2) {                                                           \
-            const uint16_t *wa = w + (int64_t)o * in, *wb2 = wa + in;                                \
-            __m512 a0[N], a1[N], b0[N], b1[N];                                                       \
-            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                    \
-                a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); b0[r] = _mm512_setzero_ps(); b1[r] = _mm512_setzero_ps(); \
-            }                                                                                        \
-            int i = 0;                                                                               \
-            for (; i + 64 <= body; i += 64) {                                                        \
-                if (pf) {                                                                            \
-                    _mm_prefetch((const char *)(wa + i + pf), SF_PF_HINT);                           \
-                    _mm_prefetch((const char *)(wa + i + pf + 32), SF_PF_HINT);                      \
-                    _mm_prefetch((const char *)(wb2 + i + pf), SF_PF_HINT);                          \
-                    _mm_prefetch((const char *)(wb2 + i + pf + 32), SF_PF_HINT);                     \
-                }                                                                                    \
-                __m512bh wa0 = (__m512bh)_mm512_loadu_si512(wa + i), wa1 = (__m512bh)_mm512_loadu_si512(wa + i + 32); \
-                __m512bh wb0 = (__m512bh)_mm512_loadu_si512(wb2 + i), wb1 = (__m512bh)_mm512_loadu_si512(wb2 + i + 32); \
-                __asm__("" : "+v"(wa0), "+v"(wa1), "+v"(wb0), "+v"(wb1));                            \
-                _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                \
-                    __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i);             \
-                    __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i + 32);        \
-                    a0[r] = _mm512_dpbf16_ps(a0[r], wa0, x0); a1[r] = _mm512_dpbf16_ps(a1[r], wa1, x1); \
-                    b0[r] = _mm512_dpbf16_ps(b0[r], wb0, x0); b1[r] = _mm512_dpbf16_ps(b1[r], wb1, x1); \
-                }                                                                                    \
-            }                                                                                        \
-            if (i < body) {                                                                          \
-                __m512bh wa0 = (__m512bh)_mm512_loadu_si512(wa + i), wb0 = (__m512bh)_mm512_loadu_si512(wb2 + i); \
-                _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                \
-                    __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i);             \
-                    a0[r] = _mm512_dpbf16_ps(a0[r], wa0, x0); b0[r] = _mm512_dpbf16_ps(b0[r], wb0, x0); \
-                }                                                                                    \
-                i += 32;                                                                             \
-            }                                                                                        \
-            if (tail) {                                                                              \
-                __m512bh wa1 = (__m512bh)_mm512_maskz_loadu_epi16(m, wa + i), wb1 = (__m512bh)_mm512_maskz_loadu_epi16(m, wb2 + i); \
-                _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                \
-                    __m512bh x1 = (__m512bh)_mm512_maskz_loadu_epi16(m, x + (int64_t)r * in + i);    \
-                    a1[r] = _mm512_dpbf16_ps(a1[r], wa1, x1); b1[r] = _mm512_dpbf16_ps(b1[r], wb1, x1); \
-                }                                                                                    \
-            }                                                                                        \
-            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                    \
-                a0[r] = sf_pair(_mm512_add_ps(a0[r], a1[r]), _mm512_add_ps(b0[r], b1[r]));          \
-            }                                                                                        \
-            sf_take(&st, a0, N, o + 1 - g0, ge - g0, bias, y, out, g0, 1);                           \
-        }                                                                                            \
-        if (ge > g0 && ge - g0 < 16) sf_finish(&st, N, ge - g0, bias, y, out, g0);                   \
-        if (ge < g1) rows##N(x, w, bias, y, in, out, ge, g1, pf);                                    \
-    }                                                                                                \
-}
-ROWS2(4) ROWS2(5)
-
 typedef void (*rows_fn)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int, int, int, int, int);
-static const rows_fn ROWS_FN[9] = {0, rows1, rows2, rows3, rows2w4, rows2w5, rows6, rows7, rows8};
+static const rows_fn ROWS_FN[9] = {0, rows1, rows2, rows3, rows4, rows5, rows6, rows7, rows8};
 
 /* The same sums with fp32 FMAs: where vdpbf16ps is slow (Intel Sapphire/Emerald Rapids: one per two
    cycles, half the rate of a zmm FMA; measured 87 against 176 GFLOP/s per core, thirty-fifth session)
@@ -404,7 +337,7 @@ static void rowsf##N(const float *xs, int inp, const uint16_t *w, const uint16_t
                 }                                                                                    \
             }                                                                                        \
             _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) a0[r] = _mm512_add_ps(a0[r], a1[r]);  \
-            sf_take(&st, a0, N, o - g0, g1 - g0, bias, y, out, g0, 0);                                \
+            sf_take(&st, a0, N, o - g0, g1 - g0, bias, y, out, g0);                                   \
         }                                                                                            \
         if (g1 - g0 < 16) sf_finish(&st, N, g1 - g0, bias, y, out, g0);                              \
     }                                                                                                \

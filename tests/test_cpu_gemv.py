@@ -123,7 +123,7 @@ def bf16_path(request):
 @needs_bf16
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 20])
 @pytest.mark.parametrize("shape", [(72, 40), (130, 64), (33, 34), (7, 1536)])  # in % 32 != 0: the masked tail
-def test_gemv_bf16_equals_linear(rows, shape, bf16_path):  # 2 * rows rows of x: 4 (two weight rows per pass) included
+def test_gemv_bf16_equals_linear(rows, shape, bf16_path):  # 2 * rows rows of x
     x, w, b = _bf16_case(rows, shape)
     _assert_is_linear(cpu_gemv.gemv_bf16(x, w, b), x, w, b)
     assert torch.equal(cpu_gemv.gemv_bf16(x, w), cpu_gemv.gemv_bf16(x, w, torch.zeros_like(b)))
@@ -147,7 +147,7 @@ def _assert_is_linear(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: to
 @needs_bf16
 def test_gemv_bf16_gives_a_row_the_same_bits_alone_and_in_any_batch(bf16_path):
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(131, 96, generator=g).bfloat16()  # an odd last weight row: 4-5 rows pair the others
+    w = torch.randn(131, 96, generator=g).bfloat16()  # 131 outputs: a last group of 3 (sf_finish)
     x = torch.randn(11, 96, generator=g).bfloat16()
     _assert_rows_independent(lambda xs: cpu_gemv.gemv_bf16(xs, w), x, (2, 3, 4, 5, 8, 9, 11))
 
@@ -182,7 +182,7 @@ def test_gemv_bf16_sums_in_its_documented_order(shape, bf16_path):
         w[1, [1, 64, 65]] = torch.tensor([big, -big, 1.0]).bfloat16()  # a lane adds its odd product, then its even one
         w[2, [1, 33, 65, 97]] = torch.tensor([big, 1.0, -big, 1.0]).bfloat16()  # blocks alternate between two sums
         w[3, [1, 33, 129]] = torch.tensor([-big, big, 1.0]).bfloat16()  # the partial last block joins the second
-    for n in (1, 2, 3, 4, 5, 8, 9):  # 4-5: two weight rows per pass; 9: a pass of 8 and one of 1
+    for n in (1, 2, 3, 4, 5, 8, 9):  # 9: a pass of 8 rows of x and one of 1
         for bias in (b, None):
             got = cpu_gemv.gemv_bf16(x[:n], w, bias)
             assert torch.equal(got.view(torch.int16), _bf16_sum_order(x[:n], w, bias).view(torch.int16)), (n, bias is None)
