@@ -206,6 +206,26 @@ static inline void sf_finish(sf_group *st, int rows, int cnt, const uint16_t *bi
     }
 }
 
+/* the output loop of the few-row kernels (ROWS, ROWSF): groups of 16 outputs for sf_take; per output (o,
+   its weight row wr) the two sums a0, a1 zeroed, the body (the macro's other arguments) run, their sum
+   handed to sf_take; a last group of fewer than 16 finished by sf_finish */
+#define SF_OUTPUTS(N, ...)                                                                           \
+    sf_group st;  /* a group's partial sums (sf_take) */                                             \
+    for (int g0 = o0; g0 < o1; g0 += 16) {                                                           \
+        int g1 = g0 + 16 < o1 ? g0 + 16 : o1;                                                        \
+        for (int o = g0; o < g1; o++) {                                                              \
+            const uint16_t *wr = w + (int64_t)o * in;                                                \
+            __m512 a0[N], a1[N];                                                                     \
+            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                    \
+                a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps();                            \
+            }                                                                                        \
+            __VA_ARGS__                                                                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) a0[r] = _mm512_add_ps(a0[r], a1[r]); \
+            sf_take(&st, a0, N, o - g0, g1 - g0, bias, y, out, g0);                                  \
+        }                                                                                            \
+        if (g1 - g0 < 16) sf_finish(&st, N, g1 - g0, bias, y, out, g0);                              \
+    }
+
 /* N rows of x against one weight row at a time (N a literal constant in each instance: fixed-size
    arrays, loops of constant bounds, so the loops unroll and the sums stay in registers). Two sums
    per row (even and odd blocks of 32 inputs: two independent chains hide the instruction's
@@ -219,47 +239,35 @@ static void rows##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
                     int out, int o0, int o1, int pf) {                                               \
     int tail = in % 32, body = in - tail;                                                            \
     __mmask32 m = (__mmask32)((1ull << tail) - 1);                                                   \
-    sf_group st;  /* a group's partial sums (sf_take) */                                             \
-    for (int g0 = o0; g0 < o1; g0 += 16) {                                                           \
-        int g1 = g0 + 16 < o1 ? g0 + 16 : o1;                                                        \
-        for (int o = g0; o < g1; o++) {                                                              \
-            const uint16_t *wr = w + (int64_t)o * in;                                                \
-            __m512 a0[N], a1[N];                                                                     \
-            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                    \
-                a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps();                            \
-            }                                                                                        \
-            int i = 0;                                                                               \
-            for (; i + 64 <= body; i += 64) {                                                        \
-                if (pf) {                                                                            \
-                    _mm_prefetch((const char *)(wr + i + pf), SF_PF_HINT);                           \
-                    _mm_prefetch((const char *)(wr + i + pf + 32), SF_PF_HINT);                      \
-                }                                                                                    \
-                __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + i);                                  \
-                __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + i + 32);                             \
-                /* kept in registers: without this GCC reloads the weights once per row of x */      \
-                __asm__("" : "+v"(w0), "+v"(w1));                                                    \
-                _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                \
-                    a0[r] = _mm512_dpbf16_ps(a0[r], w0, (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i)); \
-                    a1[r] = _mm512_dpbf16_ps(a1[r], w1, (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i + 32)); \
-                }                                                                                    \
-            }                                                                                        \
-            if (i < body) { /* one more full block of 32 */                                          \
-                __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + i);                                  \
-                __asm__("" : "+v"(w0));                                                              \
-                _Pragma("GCC unroll 8") for (int r = 0; r < N; r++)                                  \
-                    a0[r] = _mm512_dpbf16_ps(a0[r], w0, (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i)); \
-                i += 32;                                                                             \
-            }                                                                                        \
-            if (tail) { /* the last in % 32 inputs: masked loads, zeros elsewhere */                 \
-                __m512bh w1 = (__m512bh)_mm512_maskz_loadu_epi16(m, wr + i);                         \
-                _Pragma("GCC unroll 8") for (int r = 0; r < N; r++)                                  \
-                    a1[r] = _mm512_dpbf16_ps(a1[r], w1, (__m512bh)_mm512_maskz_loadu_epi16(m, x + (int64_t)r * in + i)); \
-            }                                                                                        \
-            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) a0[r] = _mm512_add_ps(a0[r], a1[r]);  \
-            sf_take(&st, a0, N, o - g0, g1 - g0, bias, y, out, g0);                                   \
+    SF_OUTPUTS(N,                                                                                    \
+    int i = 0;                                                                                       \
+    for (; i + 64 <= body; i += 64) {                                                                \
+        if (pf) {                                                                                    \
+            _mm_prefetch((const char *)(wr + i + pf), SF_PF_HINT);                                   \
+            _mm_prefetch((const char *)(wr + i + pf + 32), SF_PF_HINT);                              \
         }                                                                                            \
-        if (g1 - g0 < 16) sf_finish(&st, N, g1 - g0, bias, y, out, g0);                              \
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + i);                                          \
+        __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + i + 32);                                     \
+        /* kept in registers: without this GCC reloads the weights once per row of x */              \
+        __asm__("" : "+v"(w0), "+v"(w1));                                                            \
+        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                        \
+            a0[r] = _mm512_dpbf16_ps(a0[r], w0, (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i)); \
+            a1[r] = _mm512_dpbf16_ps(a1[r], w1, (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i + 32)); \
+        }                                                                                            \
     }                                                                                                \
+    if (i < body) { /* one more full block of 32 */                                                  \
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + i);                                          \
+        __asm__("" : "+v"(w0));                                                                      \
+        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++)                                          \
+            a0[r] = _mm512_dpbf16_ps(a0[r], w0, (__m512bh)_mm512_loadu_si512(x + (int64_t)r * in + i)); \
+        i += 32;                                                                                     \
+    }                                                                                                \
+    if (tail) { /* the last in % 32 inputs: masked loads, zeros elsewhere */                         \
+        __m512bh w1 = (__m512bh)_mm512_maskz_loadu_epi16(m, wr + i);                                 \
+        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++)                                          \
+            a1[r] = _mm512_dpbf16_ps(a1[r], w1, (__m512bh)_mm512_maskz_loadu_epi16(m, x + (int64_t)r * in + i)); \
+    }                                                                                                \
+    )                                                                                                \
 }
 ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 
@@ -285,63 +293,51 @@ static void rowsf##N(const float *xs, int inp, const uint16_t *w, const uint16_t
     int tail = in % 32, body = in - tail;                                                            \
     __mmask32 m = (__mmask32)((1ull << tail) - 1);                                                   \
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);                                          \
-    sf_group st;  /* a group's partial sums (sf_take) */                                             \
-    for (int g0 = o0; g0 < o1; g0 += 16) {                                                           \
-        int g1 = g0 + 16 < o1 ? g0 + 16 : o1;                                                        \
-        for (int o = g0; o < g1; o++) {                                                              \
-            const uint16_t *wr = w + (int64_t)o * in;                                                \
-            __m512 a0[N], a1[N];                                                                     \
-            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                    \
-                a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps();                            \
-            }                                                                                        \
-            int i = 0;                                                                               \
-            for (; i + 64 <= body; i += 64) {                                                        \
-                if (pf) {                                                                            \
-                    _mm_prefetch((const char *)(wr + i + pf), SF_PF_HINT);                           \
-                    _mm_prefetch((const char *)(wr + i + pf + 32), SF_PF_HINT);                      \
-                    _mm_prefetch((const char *)(wr + i + SF_PF_L1), _MM_HINT_T0);                    \
-                    _mm_prefetch((const char *)(wr + i + SF_PF_L1 + 32), _MM_HINT_T0);               \
-                }                                                                                    \
-                __m512i w0 = _mm512_loadu_si512(wr + i), w1 = _mm512_loadu_si512(wr + i + 32);       \
-                __m512 w0o = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));                          \
-                __m512 w0e = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));                         \
-                __m512 w1o = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));                          \
-                __m512 w1e = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));                         \
-                __asm__("" : "+v"(w0o), "+v"(w0e), "+v"(w1o), "+v"(w1e));                            \
-                _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                \
-                    const float *xr = xs + (int64_t)r * inp + i;                                     \
-                    a0[r] = _mm512_fmadd_ps(w0o, _mm512_load_ps(xr), a0[r]);                         \
-                    a1[r] = _mm512_fmadd_ps(w1o, _mm512_load_ps(xr + 32), a1[r]);                    \
-                    a0[r] = _mm512_fmadd_ps(w0e, _mm512_load_ps(xr + 16), a0[r]);                    \
-                    a1[r] = _mm512_fmadd_ps(w1e, _mm512_load_ps(xr + 48), a1[r]);                    \
-                }                                                                                    \
-            }                                                                                        \
-            if (i < body) {                                                                          \
-                __m512i w0 = _mm512_loadu_si512(wr + i);                                             \
-                __m512 w0o = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));                          \
-                __m512 w0e = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));                         \
-                _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                \
-                    const float *xr = xs + (int64_t)r * inp + i;                                     \
-                    a0[r] = _mm512_fmadd_ps(w0o, _mm512_load_ps(xr), a0[r]);                         \
-                    a0[r] = _mm512_fmadd_ps(w0e, _mm512_load_ps(xr + 16), a0[r]);                    \
-                }                                                                                    \
-                i += 32;                                                                             \
-            }                                                                                        \
-            if (tail) {                                                                              \
-                __m512i w1 = _mm512_maskz_loadu_epi16(m, wr + i);                                    \
-                __m512 w1o = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));                          \
-                __m512 w1e = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));                         \
-                _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                \
-                    const float *xr = xs + (int64_t)r * inp + i;                                     \
-                    a1[r] = _mm512_fmadd_ps(w1o, _mm512_load_ps(xr), a1[r]);                         \
-                    a1[r] = _mm512_fmadd_ps(w1e, _mm512_load_ps(xr + 16), a1[r]);                    \
-                }                                                                                    \
-            }                                                                                        \
-            _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) a0[r] = _mm512_add_ps(a0[r], a1[r]);  \
-            sf_take(&st, a0, N, o - g0, g1 - g0, bias, y, out, g0);                                   \
+    SF_OUTPUTS(N,                                                                                    \
+    int i = 0;                                                                                       \
+    for (; i + 64 <= body; i += 64) {                                                                \
+        if (pf) {                                                                                    \
+            _mm_prefetch((const char *)(wr + i + pf), SF_PF_HINT);                                   \
+            _mm_prefetch((const char *)(wr + i + pf + 32), SF_PF_HINT);                              \
+            _mm_prefetch((const char *)(wr + i + SF_PF_L1), _MM_HINT_T0);                            \
+            _mm_prefetch((const char *)(wr + i + SF_PF_L1 + 32), _MM_HINT_T0);                       \
         }                                                                                            \
-        if (g1 - g0 < 16) sf_finish(&st, N, g1 - g0, bias, y, out, g0);                              \
+        __m512i w0 = _mm512_loadu_si512(wr + i), w1 = _mm512_loadu_si512(wr + i + 32);               \
+        __m512 w0o = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));                                  \
+        __m512 w0e = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));                                 \
+        __m512 w1o = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));                                  \
+        __m512 w1e = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));                                 \
+        __asm__("" : "+v"(w0o), "+v"(w0e), "+v"(w1o), "+v"(w1e));                                    \
+        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                        \
+            const float *xr = xs + (int64_t)r * inp + i;                                             \
+            a0[r] = _mm512_fmadd_ps(w0o, _mm512_load_ps(xr), a0[r]);                                 \
+            a1[r] = _mm512_fmadd_ps(w1o, _mm512_load_ps(xr + 32), a1[r]);                            \
+            a0[r] = _mm512_fmadd_ps(w0e, _mm512_load_ps(xr + 16), a0[r]);                            \
+            a1[r] = _mm512_fmadd_ps(w1e, _mm512_load_ps(xr + 48), a1[r]);                            \
+        }                                                                                            \
     }                                                                                                \
+    if (i < body) {                                                                                  \
+        __m512i w0 = _mm512_loadu_si512(wr + i);                                                     \
+        __m512 w0o = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));                                  \
+        __m512 w0e = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));                                 \
+        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                        \
+            const float *xr = xs + (int64_t)r * inp + i;                                             \
+            a0[r] = _mm512_fmadd_ps(w0o, _mm512_load_ps(xr), a0[r]);                                 \
+            a0[r] = _mm512_fmadd_ps(w0e, _mm512_load_ps(xr + 16), a0[r]);                            \
+        }                                                                                            \
+        i += 32;                                                                                     \
+    }                                                                                                \
+    if (tail) {                                                                                      \
+        __m512i w1 = _mm512_maskz_loadu_epi16(m, wr + i);                                            \
+        __m512 w1o = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));                                  \
+        __m512 w1e = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));                                 \
+        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                        \
+            const float *xr = xs + (int64_t)r * inp + i;                                             \
+            a1[r] = _mm512_fmadd_ps(w1o, _mm512_load_ps(xr), a1[r]);                                 \
+            a1[r] = _mm512_fmadd_ps(w1e, _mm512_load_ps(xr + 16), a1[r]);                            \
+        }                                                                                            \
+    }                                                                                                \
+    )                                                                                                \
 }
 ROWSF(1) ROWSF(2) ROWSF(3) ROWSF(4) ROWSF(5) ROWSF(6) ROWSF(7) ROWSF(8)
 typedef void (*rowsf_fn)(const float *, int, const uint16_t *, const uint16_t *, uint16_t *, int, int, int, int, int);
