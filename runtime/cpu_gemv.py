@@ -287,6 +287,17 @@ static const rows_fn ROWS_FN[9] = {0, rows1, rows2, rows3, rows4, rows5, rows6, 
    prefetched into L1 SF_PF_L1 elements ahead: 4-5 rows of SmolLM2's matrices 0.88-0.97x the vdpbf16ps
    path's time with it, ~1.0x without (the vdpbf16ps path with the same L1 prefetch: 1.02-1.14x). */
 #define SF_PF_L1 512
+/* one block of 32 inputs (w: its 32 bf16 weights) into the sums a[r] of n rows of xs (ROWSF's split, row r
+   at xs + r * inp): the odd products first, then the even ones */
+static inline void sf_fma_block(__m512i w, const float *xs, int inp, __m512 *a, int n) {
+    __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
+    __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    _Pragma("GCC unroll 8") for (int r = 0; r < n; r++) {
+        const float *xr = xs + (int64_t)r * inp;
+        a[r] = _mm512_fmadd_ps(wo, _mm512_load_ps(xr), a[r]);
+        a[r] = _mm512_fmadd_ps(we, _mm512_load_ps(xr + 16), a[r]);
+    }
+}
 #define ROWSF(N)                                                                                     \
 static void rowsf##N(const float *xs, int inp, const uint16_t *w, const uint16_t *bias, uint16_t *y, \
                      int in, int out, int o0, int o1, int pf) {                                      \
@@ -316,27 +327,8 @@ static void rowsf##N(const float *xs, int inp, const uint16_t *w, const uint16_t
             a1[r] = _mm512_fmadd_ps(w1e, _mm512_load_ps(xr + 48), a1[r]);                            \
         }                                                                                            \
     }                                                                                                \
-    if (i < body) {                                                                                  \
-        __m512i w0 = _mm512_loadu_si512(wr + i);                                                     \
-        __m512 w0o = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));                                  \
-        __m512 w0e = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));                                 \
-        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                        \
-            const float *xr = xs + (int64_t)r * inp + i;                                             \
-            a0[r] = _mm512_fmadd_ps(w0o, _mm512_load_ps(xr), a0[r]);                                 \
-            a0[r] = _mm512_fmadd_ps(w0e, _mm512_load_ps(xr + 16), a0[r]);                            \
-        }                                                                                            \
-        i += 32;                                                                                     \
-    }                                                                                                \
-    if (tail) {                                                                                      \
-        __m512i w1 = _mm512_maskz_loadu_epi16(m, wr + i);                                            \
-        __m512 w1o = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));                                  \
-        __m512 w1e = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));                                 \
-        _Pragma("GCC unroll 8") for (int r = 0; r < N; r++) {                                        \
-            const float *xr = xs + (int64_t)r * inp + i;                                             \
-            a1[r] = _mm512_fmadd_ps(w1o, _mm512_load_ps(xr), a1[r]);                                 \
-            a1[r] = _mm512_fmadd_ps(w1e, _mm512_load_ps(xr + 16), a1[r]);                            \
-        }                                                                                            \
-    }                                                                                                \
+    if (i < body) { sf_fma_block(_mm512_loadu_si512(wr + i), xs + i, inp, a0, N); i += 32; }        \
+    if (tail) sf_fma_block(_mm512_maskz_loadu_epi16(m, wr + i), xs + i, inp, a1, N);                 \
     )                                                                                                \
 }
 ROWSF(1) ROWSF(2) ROWSF(3) ROWSF(4) ROWSF(5) ROWSF(6) ROWSF(7) ROWSF(8)
