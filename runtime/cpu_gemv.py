@@ -206,10 +206,13 @@ static inline void sf_finish(sf_group *st, int rows, int cnt, const uint16_t *bi
     }
 }
 
-/* the output loop of the few-row kernels (ROWS, ROWSF): groups of 16 outputs for sf_take; per output (o,
-   its weight row wr) the two sums a0, a1 zeroed, the body (the macro's other arguments) run, their sum
-   handed to sf_take; a last group of fewer than 16 finished by sf_finish */
+/* the output loop of the few-row kernels (ROWS, ROWSF): the input's split into full blocks of 32 (body) and
+   the masked rest (tail, m); groups of 16 outputs for sf_take; per output (o, its weight row wr) the two
+   sums a0, a1 zeroed, the body (the macro's other arguments) run, their sum handed to sf_take; a last
+   group of fewer than 16 finished by sf_finish */
 #define SF_OUTPUTS(N, ...)                                                                           \
+    int tail = in % 32, body = in - tail;                                                            \
+    __mmask32 m = (__mmask32)((1ull << tail) - 1);                                                   \
     sf_group st;  /* a group's partial sums (sf_take) */                                             \
     for (int g0 = o0; g0 < o1; g0 += 16) {                                                           \
         int g1 = g0 + 16 < o1 ? g0 + 16 : o1;                                                        \
@@ -237,8 +240,6 @@ static inline void sf_finish(sf_group *st, int rows, int cnt, const uint16_t *bi
 #define ROWS(N)                                                                                      \
 static void rows##N(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int in, \
                     int out, int o0, int o1, int pf) {                                               \
-    int tail = in % 32, body = in - tail;                                                            \
-    __mmask32 m = (__mmask32)((1ull << tail) - 1);                                                   \
     SF_OUTPUTS(N,                                                                                    \
     int i = 0;                                                                                       \
     for (; i + 64 <= body; i += 64) {                                                                \
@@ -301,8 +302,6 @@ static inline void sf_fma_block(__m512i w, const float *xs, int inp, __m512 *a, 
 #define ROWSF(N)                                                                                     \
 static void rowsf##N(const float *xs, int inp, const uint16_t *w, const uint16_t *bias, uint16_t *y, \
                      int in, int out, int o0, int o1, int pf) {                                      \
-    int tail = in % 32, body = in - tail;                                                            \
-    __mmask32 m = (__mmask32)((1ull << tail) - 1);                                                   \
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);                                          \
     SF_OUTPUTS(N,                                                                                    \
     int i = 0;                                                                                       \
