@@ -37,7 +37,7 @@ from . import cpu_attention, cpu_gemv, cpu_verify
 from .native import AMX_BF16, AVX512_BF16, build, ptr
 
 __all__ = ["MAX_TOKENS", "MAX_TOKENS_AMX", "argmax", "available", "eagle3_draft", "layer_table", "log_softmax",
-           "rms_norm", "run_layers", "supports", "unavailable_reason"]
+           "rms_norm", "run_layers", "silu_mul", "supports", "unavailable_reason"]
 
 #: most new tokens per call: the few-row product's one pass (more go to the many-row kernel)
 MAX_TOKENS = cpu_gemv.MAX_ROWS
@@ -123,6 +123,28 @@ static inline __m512 rope16(const uint16_t *h, const uint16_t *c, const uint16_t
     return rnd(_mm512_add_ps(rnd(_mm512_mul_ps(x, ld16(c + d))), rnd(_mm512_mul_ps(r, ld16(s + d)))));
 }
 
+/* the MLP's m = bf16(silu(gate)) * up, rounded as PyTorch's two bf16 ops round: n rows of gu [gate I | up I] ->
+   m [n, I] (I % 16 == 0) */
+static inline void silu_mul_rows(const uint16_t *gu, uint16_t *m, int64_t n, int I) {
+    for (int64_t t = 0; t < n; t++)
+        for (int i = 0; i < I; i += 16) {
+            __m512 g = ld16(gu + t * 2 * I + i), u = ld16(gu + t * 2 * I + I + i);
+            __m512 ax = _mm512_abs_ps(g), e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), ax));  /* exp(-|g|) <= 1 */
+            __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+            __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+            __m512 sig = _mm512_mask_mul_ps(inv, neg, inv, e);  /* sigmoid: 1/(1+e) or e/(1+e) */
+            st16(m + t * I + i, _mm512_mul_ps(rnd(_mm512_mul_ps(g, sig)), u));
+        }
+}
+
+/* the same for callers in Python (the engine's many-row steps: a prompt's prefill, a batch), rows split over
+   the threads when there are many: gu [n][V = 2I] -> m [n][I] */
+void sf_silu_mul(const uint16_t *gu, int64_t n, int64_t V, uint16_t *m) {
+    int I = (int)(V / 2);
+    _Pragma("omp parallel for if (n * I >= 16384)")
+    for (int64_t t = 0; t < n; t++) silu_mul_rows(gu + t * V, m + t * I, 1, I);
+}
+
 /* n new tokens of one sequence through L layers. Weights per layer (wp[l * 8 + j]): input norm
    (0: xin is the attention input, l == 0 only), Wqkv [(hq + 2 hkv) D, in], its bias or 0, Wo [H, hq D],
    post-attention norm, Wgu [2I, H], Wdown [H, I], then 1 when the four matrices are int8 (sf_gemv_q8's
@@ -183,15 +205,7 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
         for (int64_t i = 0; i < (int64_t)n * H; i += 16) st16(x + i, _mm512_add_ps(ld16(x + i), ld16(o + i)));
         norm_rows(x, (const uint16_t *)p[4], h, n, H, eps);
         if (lgemv(q8, amx, h, (const uint16_t *)p[5], 0, gu, n, H, 2 * I, keep)) return 1;
-        for (int t = 0; t < n; t++)
-            for (int i = 0; i < I; i += 16) {
-                __m512 g = ld16(gu + (int64_t)t * 2 * I + i), u = ld16(gu + (int64_t)t * 2 * I + I + i);
-                __m512 ax = _mm512_abs_ps(g), e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), ax));  /* exp(-|g|) <= 1 */
-                __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-                __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-                __m512 sig = _mm512_mask_mul_ps(inv, neg, inv, e);  /* sigmoid: 1/(1+e) or e/(1+e) */
-                st16(m + (int64_t)t * I + i, _mm512_mul_ps(rnd(_mm512_mul_ps(g, sig)), u));
-            }
+        silu_mul_rows(gu, m, n, I);
         if (lgemv(q8, amx, m, (const uint16_t *)p[6], 0, o, n, I, H, keep)) return 1;
         for (int64_t i = 0; i < (int64_t)n * H; i += 16) st16(x + i, _mm512_add_ps(ld16(x + i), ld16(o + i)));
     }
@@ -407,7 +421,7 @@ def _built(amx: bool) -> tuple[ctypes.CDLL | None, str | None]:
     draft = [i32, p, p, i32, p, p, i32, p, p, p, p, p, i32, p, p] + [i32] * 5 + [f32, f32, p, i64, i64, i32] + [p] * 7 \
         + [i32, f32, p, p, i32, i32, p, p, i32]
     fns = {"sf_layers": args, "sf_rms_norm": [p, p, p, i64, i32, f32, i32], "sf_argmax_bf16": [p, i64, i64, p],
-           "sf_eagle3_draft": draft, "sf_log_softmax_bf16": [p, i64, i64, p]}
+           "sf_eagle3_draft": draft, "sf_log_softmax_bf16": [p, i64, i64, p], "sf_silu_mul": [p, i64, i64, p]}
     lib, why = cpu_attention._returning_int(build("sflayersamx" if amx else "sflayers", source, fns,
                                                   isa=AMX_BF16 if amx else AVX512_BF16), "sf_layers", "sf_eagle3_draft")
     # the few-row products' paths chosen for this CPU (the same bits either way: cpu_gemv.fma_rows)
@@ -474,6 +488,15 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor | None:
     ranks with these values, so the step-by-step tree search uses them too), or None where it does
     not apply (another dtype, no kernel)."""
     return _per_row(x, "sf_log_softmax_bf16", torch.empty(x.shape, dtype=torch.float32))
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor | None:
+    """``F.silu(gate) * up`` of bf16 ``gu`` ``[..., 2I]`` (gate and up side by side, the engine's fused
+    product) in one C pass, rounded as those two bf16 ops round (the layer kernel's own MLP: prefill and
+    decode agree), or None where it does not apply (another dtype, I % 16, autograd, no kernel)."""
+    if gu.dtype != torch.bfloat16 or gu.shape[-1] % 32 or (torch.is_grad_enabled() and gu.requires_grad):
+        return None
+    return _per_row(gu, "sf_silu_mul", torch.empty((*gu.shape[:-1], gu.shape[-1] // 2), dtype=gu.dtype))
 
 
 def layer_table(layers: list[dict], q8: bool = False) -> torch.Tensor:

@@ -119,6 +119,16 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y if y is not None else w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """The MLP's ``silu(gate) * up`` of the fused product ``gu`` ``[..., 2I]``: one C pass in bf16 where the
+    CPU has the kernel (~5% of a prompt's prefill in PyTorch's three ops here), else those ops."""
+    m = cpu_layers.silu_mul(gu)
+    if m is None:
+        gate, up = gu.chunk(2, dim=-1)
+        m = F.silu(gate) * up
+    return m
+
+
 class RopeTable:
     """cos/sin ``[B, n, 1, D]`` at given positions, looked up in tables that a HF rotary module
     computes once (so every static RoPE variant and its scaling match HF exactly: each entry is
@@ -913,8 +923,7 @@ class LlamaEngine:
                 q, k = rotate(self._norm(q, w["q_norm"]), cos, sin), rotate(self._norm(k, w["k_norm"]), cos, sin)
             x = x + lin(attention(i, q, k, v), w["wo" + sfx])
             h = self._norm(x, w["ln2"])
-            gate, up = lin(h, w["w_gu" + sfx]).chunk(2, dim=-1)
-            x = x + lin(F.silu(gate) * up, w["w_down" + sfx])
+            x = x + lin(silu_mul(lin(h, w["w_gu" + sfx])), w["w_down" + sfx])
         return x, feats
 
     def finish(self, x: torch.Tensor, feats: list, feature_layers: tuple[int, ...],

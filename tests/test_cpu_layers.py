@@ -408,6 +408,31 @@ def test_rms_norm_is_hfs_norm():
         assert cpu_layers.rms_norm(x, w.clone().requires_grad_(), 1e-5) is not None
 
 
+def test_silu_mul_is_torchs_silu_times_up():
+    import torch.nn.functional as F
+
+    from specfoundry.runtime.engine import silu_mul
+
+    g = torch.Generator().manual_seed(0)
+    for shape in ((1, 512), (3, 5, 64), (64, 768)):  # 64 rows of 384: the rows split over the threads
+        gu = (torch.randn(*shape, generator=g) * 4).to(torch.bfloat16)
+        gate, up = gu.chunk(2, dim=-1)
+        want = (F.silu(gate) * up).float()
+        got = cpu_layers.silu_mul(gu)
+        assert got.shape == want.shape and got.dtype == torch.bfloat16
+        diff = (got.float() - want).abs()
+        # the same two bf16 roundings; the fp32 exp may differ from PyTorch's in a last bit, rarely visible
+        assert (diff <= want.abs() * 2 ** -7).all() and (diff > 0).float().mean() < 0.01, shape
+        assert torch.equal(silu_mul(gu), got)  # the engine's MLP takes it
+    assert torch.equal(silu_mul(gu.float()), F.silu(gate.float()) * up.float())  # other dtypes: PyTorch's ops
+    assert cpu_layers.silu_mul(gu.float()) is None
+    assert cpu_layers.silu_mul(gu[..., :48]) is None  # I % 16
+    assert cpu_layers.silu_mul(gu[:, :0]) is None
+    assert cpu_layers.silu_mul(gu.clone().requires_grad_()) is None  # autograd: the caller's ops
+    with torch.no_grad():
+        assert cpu_layers.silu_mul(gu.clone().requires_grad_()) is not None
+
+
 def test_argmax_is_torchs_argmax():
     from specfoundry.runtime.sampling import argmax
 
