@@ -37,7 +37,7 @@ from . import cpu_attention, cpu_gemv, cpu_verify
 from .native import AMX_BF16, AVX512_BF16, build, ptr
 
 __all__ = ["MAX_TOKENS", "MAX_TOKENS_AMX", "argmax", "available", "eagle3_draft", "layer_table", "log_softmax",
-           "rms_norm", "run_layers", "silu_mul", "supports", "unavailable_reason"]
+           "prefill_attention", "rms_norm", "run_layers", "silu_mul", "supports", "unavailable_reason"]
 
 #: most new tokens per call: the few-row product's one pass (more go to the many-row kernel)
 MAX_TOKENS = cpu_gemv.MAX_ROWS
@@ -123,6 +123,25 @@ static inline __m512 rope16(const uint16_t *h, const uint16_t *c, const uint16_t
     return rnd(_mm512_add_ps(rnd(_mm512_mul_ps(x, ld16(c + d))), rnd(_mm512_mul_ps(r, ld16(s + d)))));
 }
 
+/* tokens t0..t1-1 (rows of the fused Q/K/V product qkv [n][(hq + 2 hkv) D] and of cos/sin [n][D]): Q with RoPE
+   to fp32 qf [n][hq][D], K with RoPE written to the cache at column past + t (head h at K + h * s_head, [cap][D]
+   rows), V copied there (V + h * s_head); rounded as PyTorch's bf16 ops round (rope16) */
+static inline void rope_rows(const uint16_t *qkv, int t0, int t1, int hq, int hkv, int D, const uint16_t *cs,
+                             const uint16_t *sn, float *qf, uint16_t *K, uint16_t *V, int64_t s_head, int past) {
+    int64_t nqkv = (int64_t)(hq + 2 * hkv) * D;
+    for (int t = t0; t < t1; t++) {
+        const uint16_t *row = qkv + (int64_t)t * nqkv, *c = cs + (int64_t)t * D, *s = sn + (int64_t)t * D;
+        for (int hh = 0; hh < hq; hh++)
+            for (int d = 0; d < D; d += 16)
+                _mm512_storeu_ps(qf + ((int64_t)t * hq + hh) * D + d, rope16(row + hh * D, c, s, d, D));
+        for (int hh = 0; hh < hkv; hh++) {
+            uint16_t *kr = K + hh * s_head + (int64_t)(past + t) * D, *vr = V + hh * s_head + (int64_t)(past + t) * D;
+            for (int d = 0; d < D; d += 16) st16(kr + d, rope16(row + (hq + hh) * D, c, s, d, D));
+            for (int d = 0; d < D; d++) vr[d] = row[(hq + hkv + hh) * D + d];
+        }
+    }
+}
+
 /* the MLP's m = bf16(silu(gate)) * up, rounded as PyTorch's two bf16 ops round: n rows of gu [gate I | up I] ->
    m [n, I] (I % 16 == 0) */
 static inline void silu_mul_rows(const uint16_t *gu, uint16_t *m, int64_t n, int I) {
@@ -143,6 +162,20 @@ void sf_silu_mul(const uint16_t *gu, int64_t n, int64_t V, uint16_t *m) {
     int I = (int)(V / 2);
     _Pragma("omp parallel for if (n * I >= 16384)")
     for (int64_t t = 0; t < n; t++) silu_mul_rows(gu + t * V, m + t * I, 1, I);
+}
+
+/* a prompt's causal attention for callers in Python from the layer's fused Q/K/V product (see rope_rows; rows
+   split over the threads when there are many), then sf_attn_causal over the cache; qf and of fp32 work buffers
+   [n][hq][D]; out bf16 [n][hq D]. 0, or 1 when the attention's work buffer could not be allocated. */
+int sf_prefill_attention(const uint16_t *qkv, int n, int hq, int hkv, int D, const uint16_t *cs, const uint16_t *sn,
+                         uint16_t *K, uint16_t *V, int64_t s_head, int past, float scale, float *qf, float *of,
+                         uint16_t *out) {
+    _Pragma("omp parallel for if (n >= 32)")
+    for (int t = 0; t < n; t++) rope_rows(qkv, t, t + 1, hq, hkv, D, cs, sn, qf, K, V, s_head, past);
+    if (sf_attn_causal(qf, K, V, s_head, past, n, hq, hkv, D, scale, of)) return 1;
+    _Pragma("omp parallel for if (n >= 32)")
+    for (int64_t i = 0; i < (int64_t)n * hq * D; i += 16) st16(out + i, _mm512_loadu_ps(of + i));
+    return 0;
 }
 
 /* n new tokens of one sequence through L layers. Weights per layer (wp[l * 8 + j]): input norm
@@ -179,17 +212,7 @@ int sf_layers(int n, int L, int H, int hq, int hkv, int D, int I, float eps, flo
         if (p[0]) { norm_rows(x, (const uint16_t *)p[0], h, n, H, eps); ain = h; k_in = H; }
         if (lgemv(q8, amx, ain, (const uint16_t *)p[1], (const uint16_t *)p[2], qkv, n, k_in, nqkv, keep)) return 1;
         uint16_t *K = kv + l * s_layer, *V = K + s_kv;
-        for (int t = 0; t < n; t++) {
-            const uint16_t *row = qkv + (int64_t)t * nqkv, *c = cs + (int64_t)t * D, *s = sn + (int64_t)t * D;
-            for (int hh = 0; hh < hq; hh++)
-                for (int d = 0; d < D; d += 16)
-                    _mm512_storeu_ps(qf + ((int64_t)t * hq + hh) * D + d, rope16(row + hh * D, c, s, d, D));
-            for (int hh = 0; hh < hkv; hh++) {
-                uint16_t *kr = K + hh * s_head + (int64_t)(past + t) * D, *vr = V + hh * s_head + (int64_t)(past + t) * D;
-                for (int d = 0; d < D; d += 16) st16(kr + d, rope16(row + (hq + hh) * D, c, s, d, D));
-                for (int d = 0; d < D; d++) vr[d] = row[(hq + hkv + hh) * D + d];
-            }
-        }
+        rope_rows(qkv, 0, n, hq, hkv, D, cs, sn, qf, K, V, s_head, past);
         uint16_t *Kt = kt ? kt + l * t_layer : 0;
         if (Kt) {  /* the columns not yet transposed: after a prompt's prefill many (split by head), then the few new */
             int cols = past + n - kt_from;
@@ -421,9 +444,11 @@ def _built(amx: bool) -> tuple[ctypes.CDLL | None, str | None]:
     draft = [i32, p, p, i32, p, p, i32, p, p, p, p, p, i32, p, p] + [i32] * 5 + [f32, f32, p, i64, i64, i32] + [p] * 7 \
         + [i32, f32, p, p, i32, i32, p, p, i32]
     fns = {"sf_layers": args, "sf_rms_norm": [p, p, p, i64, i32, f32, i32], "sf_argmax_bf16": [p, i64, i64, p],
-           "sf_eagle3_draft": draft, "sf_log_softmax_bf16": [p, i64, i64, p], "sf_silu_mul": [p, i64, i64, p]}
+           "sf_eagle3_draft": draft, "sf_log_softmax_bf16": [p, i64, i64, p], "sf_silu_mul": [p, i64, i64, p],
+           "sf_prefill_attention": [p, i32, i32, i32, i32, p, p, p, p, i64, i32, f32, p, p, p]}
     lib, why = cpu_attention._returning_int(build("sflayersamx" if amx else "sflayers", source, fns,
-                                                  isa=AMX_BF16 if amx else AVX512_BF16), "sf_layers", "sf_eagle3_draft")
+                                                  isa=AMX_BF16 if amx else AVX512_BF16), "sf_layers", "sf_eagle3_draft",
+                                                  "sf_prefill_attention")
     # the few-row products' paths chosen for this CPU (the same bits either way: cpu_gemv.fma_rows)
     return (cpu_gemv.configure(lib) if lib is not None else None), why
 
@@ -488,6 +513,25 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor | None:
     ranks with these values, so the step-by-step tree search uses them too), or None where it does
     not apply (another dtype, no kernel)."""
     return _per_row(x, "sf_log_softmax_bf16", torch.empty(x.shape, dtype=torch.float32))
+
+
+def prefill_attention(layer_kv: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: int,
+                      scale: float) -> torch.Tensor:
+    """:func:`.cpu_attention.prefill_attention` from the layer's fused Q/K/V product ``qkv`` ``[1, n, hq + 2 hkv,
+    D]`` before RoPE (``cos``/``sin`` ``[n, D]``, bf16): the RoPE, the K/V cache writes, the fp32 queries and the
+    bf16 output in the same C call as the attention, rounded as those ~8 PyTorch ops per layer round (the layer
+    kernel's own loop). Where :func:`.cpu_attention.prefill_supports` and :func:`available` hold."""
+    _, n, heads, D = qkv.shape
+    hkv = layer_kv.shape[2]
+    hq = heads - 2 * hkv
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    work = torch.empty(2, n, hq, D, dtype=torch.float32)
+    out = torch.empty(1, n, hq * D, dtype=torch.bfloat16)
+    keys, values = layer_kv[0], layer_kv[1]
+    cpu_attention.check(_load()[0].sf_prefill_attention(
+        qkv.data_ptr(), n, hq, hkv, D, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
+        keys.stride(1), past, float(scale), work[0].data_ptr(), work[1].data_ptr(), out.data_ptr()))
+    return out
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor | None:

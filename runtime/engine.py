@@ -851,9 +851,12 @@ class LlamaEngine:
                 kv[i], q, k, v, past, tree_mask, self.scale), feature_layers)
         elif tree_mask is None and self.prefill_kernel and cpu_attention.prefill_supports(kv[0], B, n):
             # a prompt's prefill on the same kernel, over the causal triangle only: 2.2-2.5x SDPA's flash
-            # attention here (docs/results.md, fifty-second session)
+            # attention here (docs/results.md, fifty-second session); from the unrotated Q/K/V in one C call
+            # with the RoPE and the cache writes where the layer library is built
+            one_call = cpu_layers.available() and position_ids is None and cos.dtype == torch.bfloat16
             x, feats = self.run_layers(input_ids, cos, sin, lambda i, q, k, v: cpu_attention.prefill_attention(
-                kv[i], q, k, v, past, self.scale), feature_layers)
+                kv[i], q, k, v, past, self.scale), feature_layers, None if not one_call else (
+                lambda i, qkv: cpu_layers.prefill_attention(kv[i], qkv, cos[0, :, 0], sin[0, :, 0], past, self.scale)))
         else:
             causal = prefill_causal(tree_mask, past, n, kv.device)  # a prefill: no mask at all
             mask = None if causal else self.masks.get(tree_mask, B, n, past)
@@ -899,11 +902,13 @@ class LlamaEngine:
             amx=kernel_for(self.kernels, input_ids.shape[1]) == "amx", fma2=self.fma2)
 
     def run_layers(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention,
-                   feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list]:
+                   feature_layers: tuple[int, ...] = (), fused_attention=None) -> tuple[torch.Tensor, list]:
         """The decoder layers over ``input_ids`` ``[B, n]`` -> (last hidden state before the final
         norm, ``[(layer, hidden)]`` for the requested feature layers). ``attention(i, q, k, v)``
         writes layer ``i``'s new K/V wherever its cache keeps them and returns ``[B, n, hq*D]``:
-        the one place the contiguous-cache forward and the serving slots' forward differ."""
+        the one place the contiguous-cache forward and the serving slots' forward differ.
+        ``fused_attention(i, qkv)``, where given, does the same from the unrotated ``[B, n, hq + 2 hkv, D]``
+        (layers without per-head Q/K norms)."""
         B, n = input_ids.shape
         hq, hkv, D = self.hq, self.hkv, self.head_dim
         kernel = kernel_for(self.kernels, B * n)
@@ -915,13 +920,17 @@ class LlamaEngine:
                 feats.append((i, x))
             h = self._norm(x, w["ln1"])
             qkv = lin(h, w["wqkv" + sfx], w["bqkv"]).view(B, n, hq + 2 * hkv, D)
-            if w["q_norm"] is None:  # Q and K are adjacent heads: one RoPE for both
-                q, k = rotate(qkv[:, :, : hq + hkv], cos, sin).split((hq, hkv), dim=2)
-                v = qkv[:, :, hq + hkv:]
-            else:  # Qwen3: per-head norms before RoPE
-                q, k, v = qkv.split((hq, hkv, hkv), dim=2)
-                q, k = rotate(self._norm(q, w["q_norm"]), cos, sin), rotate(self._norm(k, w["k_norm"]), cos, sin)
-            x = x + lin(attention(i, q, k, v), w["wo" + sfx])
+            if fused_attention is not None and w["q_norm"] is None:
+                a = fused_attention(i, qkv)
+            else:
+                if w["q_norm"] is None:  # Q and K are adjacent heads: one RoPE for both
+                    q, k = rotate(qkv[:, :, : hq + hkv], cos, sin).split((hq, hkv), dim=2)
+                    v = qkv[:, :, hq + hkv:]
+                else:  # Qwen3: per-head norms before RoPE
+                    q, k, v = qkv.split((hq, hkv, hkv), dim=2)
+                    q, k = rotate(self._norm(q, w["q_norm"]), cos, sin), rotate(self._norm(k, w["k_norm"]), cos, sin)
+                a = attention(i, q, k, v)
+            x = x + lin(a, w["wo" + sfx])
             h = self._norm(x, w["ln2"])
             x = x + lin(silu_mul(lin(h, w["w_gu" + sfx])), w["w_down" + sfx])
         return x, feats

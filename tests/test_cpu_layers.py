@@ -433,6 +433,25 @@ def test_silu_mul_is_torchs_silu_times_up():
         assert cpu_layers.silu_mul(gu.clone().requires_grad_()) is not None
 
 
+@pytest.mark.parametrize("n,past,hq,hkv,D", [(40, 0, 9, 3, 64), (203, 0, 9, 3, 32), (33, 50, 4, 4, 128), (2, 7, 6, 2, 64)])
+def test_prefill_attention_from_the_fused_product_is_rope_then_the_causal_kernel(n, past, hq, hkv, D):
+    # the engine's prefill in one call per layer (RoPE, K/V written, fp32 queries, attention, bf16 output)
+    # gives the bits of the ops it replaces: rotate, the split, the cache copies and the causal kernel
+    from specfoundry.runtime import cpu_attention
+    from specfoundry.runtime.kvcache import rotate
+
+    g = torch.Generator().manual_seed(n + past + D)
+    layer = torch.randn(2, 1, hkv, past + n + 5, D, generator=g).bfloat16()
+    qkv = (2 * torch.randn(1, n, hq + 2 * hkv, D, generator=g)).bfloat16()
+    cos, sin = (torch.rand(2, n, D, generator=g) * 2 - 1).bfloat16()
+    ref_layer = layer.clone()
+    q, k = rotate(qkv[:, :, : hq + hkv], cos[None, :, None], sin[None, :, None]).split((hq, hkv), dim=2)
+    want = cpu_attention.prefill_attention(ref_layer, q, k, qkv[:, :, hq + hkv:], past, D ** -0.5)
+    got = cpu_layers.prefill_attention(layer, qkv, cos, sin, past, D ** -0.5)
+    assert got.shape == want.shape == (1, n, hq * D) and got.dtype == torch.bfloat16
+    assert torch.equal(got, want) and torch.equal(layer, ref_layer)
+
+
 def test_argmax_is_torchs_argmax():
     from specfoundry.runtime.sampling import argmax
 

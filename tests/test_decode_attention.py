@@ -226,10 +226,14 @@ def test_engine_forward_takes_it_and_keeps_sdpas_logits(monkeypatch):
 
 
 def test_engine_prefill_takes_the_causal_kernel_and_keeps_sdpas_logits(monkeypatch):
+    from specfoundry.runtime import cpu_layers
+
     target = tiny_llama(0, vocab=96, hidden=128, layers=2, dtype=torch.bfloat16, init_std=0.02)  # head_dim 32
     calls = []
-    real = cpu_attention.prefill_attention
+    # the kernel from rotated Q/K/V, or from the fused product in the layer library's one call (its RoPE too)
+    real, fused = cpu_attention.prefill_attention, cpu_layers.prefill_attention
     monkeypatch.setattr(cpu_attention, "prefill_attention", lambda *a: calls.append(a[1].shape[1]) or real(*a))
+    monkeypatch.setattr(cpu_layers, "prefill_attention", lambda *a: calls.append(a[1].shape[1]) or fused(*a))
     g = torch.Generator().manual_seed(3)
     prompt, more = torch.randint(0, 96, (1, 60), generator=g), torch.randint(0, 96, (1, 25), generator=g)
     outs = {}
