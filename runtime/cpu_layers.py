@@ -537,8 +537,9 @@ def prefill_attention(layer_kv: torch.Tensor, qkv: torch.Tensor, cos: torch.Tens
 def silu_mul(gu: torch.Tensor) -> torch.Tensor | None:
     """``F.silu(gate) * up`` of bf16 ``gu`` ``[..., 2I]`` (gate and up side by side, the engine's fused
     product) in one C pass, rounded as those two bf16 ops round (the layer kernel's own MLP: prefill and
-    decode agree), or None where it does not apply (another dtype, I % 16, autograd, no kernel)."""
-    if gu.dtype != torch.bfloat16 or gu.shape[-1] % 32 or (torch.is_grad_enabled() and gu.requires_grad):
+    decode agree), or None where it does not apply (another dtype or device, I % 16, autograd, no kernel)."""
+    if gu.dtype != torch.bfloat16 or gu.device.type != "cpu" or gu.shape[-1] % 32 \
+            or (torch.is_grad_enabled() and gu.requires_grad):
         return None
     return _per_row(gu, "sf_silu_mul", torch.empty((*gu.shape[:-1], gu.shape[-1] // 2), dtype=gu.dtype))
 
