@@ -121,7 +121,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """The MLP's ``silu(gate) * up`` of the fused product ``gu`` ``[..., 2I]``: one C pass in bf16 where the
-    CPU has the kernel (~5% of a prompt's prefill in PyTorch's three ops here), else those ops."""
+    CPU has the kernel, else PyTorch's ops (with the one-call prefill attention, a prompt's prefill is 5-8%
+    faster at 2 threads on a Zen 4 EPYC: docs/results.md, fifty-fifth session)."""
     m = cpu_layers.silu_mul(gu)
     if m is None:
         gate, up = gu.chunk(2, dim=-1)
