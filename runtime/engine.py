@@ -854,10 +854,14 @@ class LlamaEngine:
             # a prompt's prefill on the same kernel, over the causal triangle only: 2.2-2.5x SDPA's flash
             # attention here (docs/results.md, fifty-second session); from the unrotated Q/K/V in one C call
             # with the RoPE and the cache writes where the layer library is built
-            one_call = cpu_layers.available() and position_ids is None and cos.dtype == torch.bfloat16
+            fused = None
+            if cpu_layers.available() and position_ids is None and cos.dtype == torch.bfloat16:
+                cs, sn = cos[0, :, 0], sin[0, :, 0]  # [n, D]: rows of the RoPE tables
+
+                def fused(i, qkv):
+                    return cpu_layers.prefill_attention(kv[i], qkv, cs, sn, past, self.scale)
             x, feats = self.run_layers(input_ids, cos, sin, lambda i, q, k, v: cpu_attention.prefill_attention(
-                kv[i], q, k, v, past, self.scale), feature_layers, None if not one_call else (
-                lambda i, qkv: cpu_layers.prefill_attention(kv[i], qkv, cos[0, :, 0], sin[0, :, 0], past, self.scale)))
+                kv[i], q, k, v, past, self.scale), feature_layers, fused)
         else:
             causal = prefill_causal(tree_mask, past, n, kv.device)  # a prefill: no mask at all
             mask = None if causal else self.masks.get(tree_mask, B, n, past)
